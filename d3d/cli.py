@@ -1,0 +1,160 @@
+"""The ``d3d`` command: thin argument parsing that builds configs and calls the library.
+
+Each subcommand lives in a module that exposes ``register(subparsers)``; the parser it adds sets
+``func`` to a function taking the parsed namespace and returning an exit code. Bad input is a
+one-line ``d3d: error: ...`` on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+
+from d3d.config import ConfigError, DecodeConfig, ModelConfig, SamplingConfig
+from d3d.drafter import DrafterError
+from d3d.models import ModelLoadError
+
+# Modules that add subcommands; each has register(subparsers). Missing optional ones are skipped.
+COMMAND_MODULES = (
+    "d3d.cli",
+    "d3d.bench_cli",
+    "d3d.training.cli",
+    "compression.cli",
+    "eval.cli",
+)
+
+USER_ERRORS = (ConfigError, ModelLoadError, DrafterError, FileNotFoundError, ValueError)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads models."""
+    g = p.add_argument_group("models")
+    g.add_argument(
+        "--target", default=None, help="target spec: default, HF id, directory or .gguf file"
+    )
+    g.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter spec: default, self:N, self:i,j,k or a checkpoint dir",
+    )
+    g.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:0)")
+    g.add_argument("--drafter-device", default=None, help="drafter device (default: the target's)")
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig.from_env(
+        target=args.target,
+        drafter=args.drafter,
+        target_device=args.device,
+        drafter_device=args.drafter_device,
+        dtype=args.dtype,
+        threads=args.threads,
+    )
+
+
+def add_decode_args(p: argparse.ArgumentParser, default_max: int = 256) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--mode", default="sync", choices=["ar", "sync"], help="decoding mode")
+    g.add_argument("--max-new-tokens", type=int, default=default_max)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+        chat_template=not args.no_chat_template,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from d3d.engine import Engine
+
+    dcfg = decode_config(args)
+    t0 = time.perf_counter()
+    engine = Engine.from_config(model_config(args), with_drafter=dcfg.mode != "ar")
+    load_s = time.perf_counter() - t0
+    if engine.drafter is not None and engine.drafter.block_size != dcfg.block_size:
+        raise ConfigError(
+            f"block_size: the drafter was built for {engine.drafter.block_size}, got {dcfg.block_size}"
+        )
+    if args.json:
+        gen = engine.generate(args.prompt, dcfg)
+        out = gen.to_dict()
+        out["load_seconds"] = round(load_s, 3)
+        print(json.dumps(out))
+        return 0
+    from d3d.decode import DecodeStats
+
+    stats = DecodeStats(mode=dcfg.mode)
+    ids: list[int] = []
+    printed = ""
+    for chunk in engine.stream(engine.encode(args.prompt, dcfg.chat_template), dcfg, stats):
+        ids += chunk
+        text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed) :])
+        sys.stdout.flush()
+        printed = text
+    s = stats
+    print(
+        f"\n\n[{s.mode}] {s.num_tokens} tokens in {s.decode_seconds:.2f} s "
+        f"({s.tokens_per_second:.1f} tok/s), prefill {s.prefill_seconds:.2f} s, "
+        f"acceptance length {s.acceptance_length:.2f} over {s.num_drafts} drafts",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate an answer with speculative decoding")
+    p.add_argument("prompt", help="the user prompt (wrapped in the chat template)")
+    add_model_args(p)
+    add_decode_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="d3d", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name or name.startswith(str(exc.name)):
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as exc:
+        print(f"d3d: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

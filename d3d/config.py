@@ -1,0 +1,111 @@
+"""Frozen, validated configuration for the engine.
+
+Every knob a request or a deployment can turn lives here as a small frozen dataclass that checks
+itself once in ``__post_init__`` and names the offending field in its error. The CLI and the web
+app build these from their own inputs (flags, JSON bodies, environment) and hand them to the
+library; nothing below reads flags or the environment on its own, except ``ModelConfig.from_env``
+which is the one place that maps ``D3D_*`` variables onto a config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+MODES = ("ar", "sync")
+DEFAULT_BLOCK_SIZE = 16
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next-token distribution is turned into tokens.
+
+    ``temperature == 0`` is greedy decoding (the argmax; ``top_p`` and ``seed`` are ignored).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One request's decoding settings."""
+
+    mode: str = "sync"
+    max_new_tokens: int = 256
+    block_size: int = DEFAULT_BLOCK_SIZE
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _check(
+            self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}"
+        )
+        _check(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which target and drafter to load, and where.
+
+    ``target`` is ``"default"`` (the embedded SmolLM2-135M-Instruct), a Hugging Face id, a local
+    directory, or a ``.gguf`` file. ``drafter`` is ``"default"`` (the checkpoint shipped for the
+    embedded target, else the target's first layers), ``"self:N"`` (an untrained drafter made of
+    the target's first N layers), ``"self:0,3,7"`` (those layers), or a checkpoint directory.
+    """
+
+    target: str = "default"
+    drafter: str = "default"
+    target_device: str = "cpu"
+    drafter_device: str | None = None
+    dtype: str = "auto"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.target.strip()), "target", "must not be empty")
+        _check(bool(self.drafter.strip()), "drafter", "must not be empty")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
+        )
+        _check(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+
+    @property
+    def resolved_drafter_device(self) -> str:
+        return self.drafter_device or self.target_device
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ModelConfig:
+        """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
+        ``D3D_DTYPE`` and ``D3D_THREADS``; explicit keyword overrides win when not None."""
+        env = os.environ
+        values: dict[str, object] = {
+            "target": env.get("D3D_TARGET", "default"),
+            "drafter": env.get("D3D_DRAFTER", "default"),
+            "target_device": env.get("D3D_TARGET_DEVICE", "cpu"),
+            "drafter_device": env.get("D3D_DRAFTER_DEVICE") or None,
+            "dtype": env.get("D3D_DTYPE", "auto"),
+            "threads": int(env["D3D_THREADS"]) if env.get("D3D_THREADS") else None,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

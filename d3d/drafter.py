@@ -1,0 +1,304 @@
+"""The D3D drafter: a small causal LM that drafts a whole block in one forward pass.
+
+Design:
+
+- The drafter is an ordinary Hugging Face causal LM plus one learned vector, the *mask
+  embedding*. The vocabulary and embedding matrix are the target's, unchanged; mask slots are fed
+  through ``inputs_embeds``. By default it is built from the target itself (a chosen subset of its
+  layers), sharing the target's embeddings and LM head, so a checkpoint stores only its own layers,
+  final norm and mask embedding, plus a JSON file naming what it was built from.
+- It reads token ids only, never the target's hidden states, so it can live on its own device.
+- A :class:`DraftSession` keeps the drafter's KV cache of *committed* tokens, encoded causally.
+  To draft it appends ``[anchor, MASK x (B-1)]`` (anchor = the last committed token) at positions
+  S..S+B-1; the block sees the whole cached prefix and all of its own slots (bidirectional) and its
+  KV is dropped afterwards, since it is not a valid prefix.
+- Slot j's output predicts the token at block position j+1 (the pretrained next-token
+  convention), so slots 0..B-2 give the drafts d_1..d_{B-1} and their distributions q.
+
+Letters: S cached length, B block size, K = B - 1 draft length, V vocab, H hidden.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from d3d import masks
+from d3d.config import DEFAULT_BLOCK_SIZE, SamplingConfig
+from d3d.hf import cache_length, trim_cache, with_cache
+from d3d.sampling import probabilities
+
+log = logging.getLogger(__name__)
+
+META_FILE = "drafter.json"
+WEIGHTS_FILE = "drafter.safetensors"
+SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
+
+
+class DrafterError(RuntimeError):
+    """A drafter cannot be built or loaded; the message says why."""
+
+
+@dataclass(frozen=True)
+class DrafterMeta:
+    """What a drafter checkpoint was built from."""
+
+    base: str
+    layers: tuple[int, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    shared_embeddings: bool = True
+    vocab_size: int = 0
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise DrafterError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.layers:
+            raise DrafterError("a drafter needs at least one layer")
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One drafted block: ``tokens`` [K] ids, and ``q`` [K, V] probabilities when sampling."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None
+
+
+def _layer_stack(lm: PreTrainedModel) -> nn.ModuleList:
+    base = getattr(lm, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise DrafterError(
+            f"{type(lm).__name__} has no model.layers: only decoder-only LMs in the Llama/Qwen "
+            "layout can be turned into a drafter"
+        )
+    return layers
+
+
+def _sub_config(config, n_layers: int, layers: Sequence[int] | None = None):
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = n_layers
+    # Per-layer lists (sliding/full attention pattern) must shrink with the stack.
+    if getattr(cfg, "layer_types", None) is not None:
+        src = list(cfg.layer_types)
+        cfg.layer_types = [src[i] for i in layers] if layers is not None else src[:n_layers]
+    return cfg
+
+
+class D3DDrafter(nn.Module):
+    """A causal LM with a learned mask embedding that drafts blocks (see the module docstring)."""
+
+    def __init__(
+        self, lm: PreTrainedModel, meta: DrafterMeta, mask_embedding: torch.Tensor | None = None
+    ):
+        super().__init__()
+        self.lm = lm
+        self.meta = meta
+        emb = lm.get_input_embeddings().weight
+        init = emb.detach().float().mean(0) if mask_embedding is None else mask_embedding
+        self.mask_embedding = nn.Parameter(init.to(device=emb.device, dtype=emb.dtype).clone())
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        layers: Sequence[int] | int = 4,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        base: str = "target",
+        device: str | torch.device | None = None,
+    ) -> D3DDrafter:
+        """An (untrained) drafter made of some of the target's layers, sharing its embeddings
+        and LM head. ``layers`` is a count (the first N layers) or explicit indices."""
+        src_layers = _layer_stack(target)
+        idx = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
+        if not idx or any(i < 0 or i >= len(src_layers) for i in idx):
+            raise DrafterError(f"layers must be indices in [0, {len(src_layers)}), got {idx}")
+        cfg = _sub_config(target.config, len(idx), idx)
+        lm = AutoModelForCausalLM.from_config(
+            cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
+        )
+        for j, i in enumerate(idx):
+            _layer_stack(lm)[j].load_state_dict(src_layers[i].state_dict())
+        lm.model.norm.load_state_dict(target.model.norm.state_dict())
+        meta = DrafterMeta(
+            base=base, layers=tuple(idx), block_size=block_size, vocab_size=_vocab(target)
+        )
+        drafter = cls(lm, meta)
+        drafter.share_embeddings(target)
+        drafter.to(device or target.device)
+        drafter.eval()
+        return drafter
+
+    def share_embeddings(self, target: PreTrainedModel) -> None:
+        """Use the target's input embeddings and LM head (tied or not) as the drafter's own."""
+        self.lm.set_input_embeddings(target.get_input_embeddings())
+        self.lm.set_output_embeddings(target.get_output_embeddings())
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``drafter.json`` and ``drafter.safetensors`` (shared tensors left out)."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.meta.shared_embeddings:
+            state = {
+                k: v
+                for k, v in state.items()
+                if not k.startswith(tuple("lm." + p for p in SHARED_PREFIXES))
+            }
+        save_file(state, str(out / WEIGHTS_FILE))
+        meta = asdict(self.meta)
+        meta["layers"] = list(self.meta.layers)
+        doc = {"meta": meta, "lm_config": self.lm.config.to_dict()}
+        (out / META_FILE).write_text(json.dumps(doc, indent=2))
+        return out
+
+    @classmethod
+    def load(
+        cls, path: str | Path, target: PreTrainedModel, device: str | torch.device | None = None
+    ) -> D3DDrafter:
+        """Load a checkpoint written by :meth:`save`; shared tensors come from ``target``."""
+        src = Path(path)
+        if not (src / META_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
+            raise DrafterError(
+                f"{src} is not a drafter checkpoint (needs {META_FILE} and {WEIGHTS_FILE})"
+            )
+        try:
+            doc = json.loads((src / META_FILE).read_text())
+            meta_d = doc["meta"]
+            meta = DrafterMeta(**{**meta_d, "layers": tuple(meta_d["layers"])})
+            cfg_d = dict(doc["lm_config"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DrafterError(f"{src / META_FILE} is unreadable: {exc}") from exc
+        if meta.vocab_size and meta.vocab_size != _vocab(target):
+            raise DrafterError(
+                f"drafter vocabulary ({meta.vocab_size}) does not match the target's ({_vocab(target)})"
+            )
+        cfg = AutoConfig.for_model(cfg_d.pop("model_type"), **cfg_d)
+        lm = AutoModelForCausalLM.from_config(
+            cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
+        )
+        drafter = cls(lm, meta)
+        if meta.shared_embeddings:
+            drafter.share_embeddings(target)
+        state = load_file(str(src / WEIGHTS_FILE))
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        missing = [
+            k
+            for k in missing
+            if not (
+                meta.shared_embeddings and k.startswith(tuple("lm." + p for p in SHARED_PREFIXES))
+            )
+        ]
+        if missing or unexpected:
+            raise DrafterError(
+                f"checkpoint {src} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        drafter.to(device or target.device, dtype=target.dtype)
+        drafter.eval()
+        return drafter
+
+    # ----- forward passes -----------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.meta.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.mask_embedding.device
+
+    def block_embeds(self, anchors: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of blocks ``[anchor, MASK x (B-1)]``: anchors [N] -> [N, B, H]."""
+        emb = self.lm.get_input_embeddings()(anchors.to(self.device)).unsqueeze(1)
+        masks_ = self.mask_embedding.view(1, 1, -1).expand(
+            anchors.shape[0], self.block_size - 1, -1
+        )
+        return torch.cat([emb, masks_.to(emb.dtype)], dim=1)
+
+    def encode(self, ids: Sequence[int], cache: DynamicCache) -> None:
+        """Append committed tokens to the cache, causally (no logits kept)."""
+        if not ids:
+            return
+        s = cache_length(cache)
+        x = torch.tensor([list(ids)], device=self.device)
+        pos = torch.arange(s, s + x.shape[1], device=self.device).unsqueeze(0)
+        self.lm.model(input_ids=x, position_ids=pos, **with_cache(self.lm.model, cache))
+
+    def block_logits(self, anchor: int, cache: DynamicCache) -> torch.Tensor:
+        """Logits of one block after the cached prefix: [K, V] (the cache is left unchanged)."""
+        s, b = cache_length(cache), self.block_size
+        embeds = self.block_embeds(torch.tensor([anchor], device=self.device))
+        mask = masks.to_model_mask(
+            masks.block_mask(s, b, self.device), self.lm.config._attn_implementation, embeds.dtype
+        )
+        out = self.lm(
+            inputs_embeds=embeds,
+            position_ids=masks.block_positions(s, b, self.device),
+            attention_mask=mask,
+            **with_cache(self.lm, cache),
+        )
+        trim_cache(cache, b)
+        return out.logits[0, : b - 1]
+
+
+def _vocab(model: PreTrainedModel) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+class DraftSession:
+    """Per-request drafting state: the cache of committed tokens, and the sampling rule.
+
+    Invariant: the cache holds the committed tokens except the last one (the next anchor).
+    ``draft`` takes the whole committed sequence and reuses the longest cached prefix, so the
+    caller only ever passes token ids.
+    """
+
+    def __init__(
+        self,
+        drafter: D3DDrafter,
+        sampling: SamplingConfig | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        self.drafter = drafter
+        self.sampling = sampling or SamplingConfig()
+        self.generator = generator
+        self.cache = DynamicCache()
+        self.cached_ids: list[int] = []
+
+    def sync(self, token_ids: Sequence[int]) -> None:
+        """Make the cache hold ``token_ids[:-1]``, reusing the common cached prefix."""
+        want = list(token_ids[:-1])
+        common = 0
+        for a, b in zip(self.cached_ids, want, strict=False):
+            if a != b:
+                break
+            common += 1
+        if common == 0 and self.cached_ids:
+            self.cache = DynamicCache()
+        else:
+            trim_cache(self.cache, len(self.cached_ids) - common)
+        self.drafter.encode(want[common:], self.cache)
+        self.cached_ids = want
+
+    @torch.inference_mode()
+    def draft(self, token_ids: Sequence[int]) -> Draft:
+        """Draft K = B-1 tokens after ``token_ids`` (the committed sequence, anchor last)."""
+        if not token_ids:
+            raise ValueError("drafting needs at least one committed token (the anchor)")
+        self.sync(token_ids)
+        logits = self.drafter.block_logits(int(token_ids[-1]), self.cache)
+        if self.sampling.greedy:
+            return Draft(tokens=logits.argmax(dim=-1), q=None)
+        q = probabilities(logits, self.sampling)
+        tokens = torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
+        return Draft(tokens=tokens, q=q)

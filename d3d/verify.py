@@ -1,0 +1,96 @@
+"""Pure acceptance rules of speculative decoding.
+
+One verification round checks a draft ``d_1..d_K`` against the target's distributions
+``p_1..p_{K+1}`` computed in one forward over ``[anchor, d_1..d_K]`` (``p_i`` predicts the
+token at draft slot i; ``p_{K+1}`` the token after a fully accepted draft). A round always emits
+at least one token, and the last emitted token always comes from the target (a correction on a
+miss, the bonus when every draft token passes), which is what makes the output lossless.
+
+- Greedy: accept the longest prefix where ``d_i == argmax p_i``, then emit ``argmax p_{n+1}``.
+- Sampling: accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first
+  rejection emit a sample of ``norm(max(0, p_i - q_i))``; if all pass, emit a sample of
+  ``p_{K+1}``. With ``d_i ~ q_i`` drawn independently (single-pass drafts) this reproduces the
+  target's distribution exactly.
+
+Letters: K draft length, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Outcome of one verification round.
+
+    ``tokens`` holds the accepted draft tokens followed by the target's own token, so
+    ``len(tokens) == num_accepted + 1``.
+    """
+
+    num_accepted: int
+    tokens: list[int]
+
+    @property
+    def num_emitted(self) -> int:
+        return len(self.tokens)
+
+
+def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> Acceptance:
+    """Longest matching prefix plus the target's token.
+
+    draft: [K] token ids; target_argmax: [K+1] argmax of p_1..p_{K+1}.
+    """
+    k = draft.shape[0]
+    if target_argmax.shape[0] != k + 1:
+        raise ValueError(
+            f"target_argmax must have K+1={k + 1} entries, got {target_argmax.shape[0]}"
+        )
+    matches = (draft == target_argmax[:k]).to(torch.int64)
+    n = int(matches.cumprod(0).sum().item())
+    tokens = [int(t) for t in draft[:n].tolist()] + [int(target_argmax[n].item())]
+    return Acceptance(num_accepted=n, tokens=tokens)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` over the vocabulary: [V] -> [V].
+
+    When p == q (the residual is all zero) the rejection had probability 0; fall back to p so
+    the function is total.
+    """
+    r = torch.clamp(p - q, min=0.0)
+    total = r.sum()
+    if total <= 0:
+        return p
+    return r / total
+
+
+def stochastic_accept(
+    draft: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Exact speculative sampling for one round.
+
+    draft: [K] ids sampled from q; q: [K, V] drafter probabilities; p: [K+1, V] target
+    probabilities (after temperature / top-p). All on one device.
+    """
+    k = draft.shape[0]
+    if p.shape[0] != k + 1 or q.shape[0] != k:
+        raise ValueError(
+            f"need q [K, V] and p [K+1, V] with K={k}, got {tuple(q.shape)}, {tuple(p.shape)}"
+        )
+    idx = torch.arange(k, device=draft.device)
+    p_d = p[idx, draft]
+    q_d = q[idx, draft]
+    u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)
+    # Accept d_i when u_i * q_i(d_i) < p_i(d_i), i.e. with probability min(1, p/q); the strict
+    # inequality never accepts a token the target gives probability 0 (cut by top-p).
+    ok = (u * q_d < p_d).to(torch.int64)
+    n = int(ok.cumprod(0).sum().item())
+    dist = p[k] if n == k else residual_distribution(p[n], q[n])
+    last = int(torch.multinomial(dist, 1, generator=generator).item())
+    return Acceptance(num_accepted=n, tokens=[int(t) for t in draft[:n].tolist()] + [last])
