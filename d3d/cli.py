@@ -21,7 +21,7 @@ from d3d.models import ModelLoadError
 # Modules that add subcommands; each has register(subparsers). Missing optional ones are skipped.
 COMMAND_MODULES = (
     "d3d.cli",
-    "d3d.bench_cli",
+    "d3d.bench",
     "d3d.training.cli",
     "compression.cli",
     "eval.cli",
@@ -90,6 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"block_size: the drafter was built for {engine.drafter.block_size}, got {dcfg.block_size}"
         )
+    if args.compare:
+        return _compare(engine, args.prompt, dcfg, args.json)
     if args.json:
         gen = engine.generate(args.prompt, dcfg)
         out = gen.to_dict()
@@ -117,12 +119,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(engine, prompt: str, dcfg: DecodeConfig, as_json: bool) -> int:
+    """Run the target alone, then the chosen mode, on the same prompt; print both and the ratio."""
+    from dataclasses import replace
+
+    ar = engine.generate(prompt, replace(dcfg, mode="ar"))
+    spec = engine.generate(prompt, dcfg if dcfg.mode != "ar" else replace(dcfg, mode="sync"))
+    speedup = (
+        ar.stats.decode_seconds / spec.stats.decode_seconds if spec.stats.decode_seconds else 0.0
+    )
+    identical = ar.token_ids == spec.token_ids
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "ar": ar.to_dict(),
+                    spec.stats.mode: spec.to_dict(),
+                    "speedup": round(speedup, 3),
+                    "identical": identical,
+                }
+            )
+        )
+        return 0
+    print(spec.text)
+    print("\n| mode | tokens | decode s | tok/s | acceptance length |\n|---|---:|---:|---:|---:|")
+    for g in (ar, spec):
+        s = g.stats
+        print(
+            f"| {s.mode} | {s.num_tokens} | {s.decode_seconds:.2f} | {s.tokens_per_second:.1f} | {s.acceptance_length:.2f} |"
+        )
+    print(f"\nspeed-up {speedup:.2f}x; output identical to the target alone: {identical}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate an answer with speculative decoding")
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template)")
     add_model_args(p)
     add_decode_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the target alone and print both, with the speed-up",
+    )
     p.set_defaults(func=cmd_generate)
 
 
@@ -147,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s"
     )
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as exc:

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from d3d.config import DecodeConfig, SamplingConfig
-from d3d.drafter import D3DDrafter, DraftSession
+from d3d.drafter import Draft
 from d3d.hf import cache_length, trim_cache, with_cache
 from d3d.sampling import make_generator, pick, probabilities
 from d3d.verify import greedy_accept, stochastic_accept
@@ -107,17 +107,31 @@ class ArProposer:
         return Round(tokens=[token], verify_s=time.perf_counter() - t0)
 
 
+class Drafter(Protocol):
+    """Anything that opens per-request drafting sessions (the D3D drafter, or a test double)."""
+
+    def session(
+        self, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> DraftSource: ...
+
+
+class DraftSource(Protocol):
+    """A per-request drafter: committed token ids in, one :class:`Draft` of K tokens out."""
+
+    def draft(self, token_ids: Sequence[int]) -> Draft: ...
+
+
 class SyncProposer:
     """Draft a block, then verify it: drafter and target take turns on the critical path."""
 
     name = "sync"
 
-    def __init__(self, drafter: D3DDrafter):
+    def __init__(self, drafter: Drafter):
         self.drafter = drafter
 
     def start(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         self.sampling, self.generator = sampling, generator
-        self.session = DraftSession(self.drafter, sampling, generator)
+        self.session = self.drafter.session(sampling, generator)
 
     def round(self, target: TargetSession, tokens: list[int]) -> Round:
         t0 = time.perf_counter()

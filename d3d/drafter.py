@@ -208,6 +208,12 @@ class D3DDrafter(nn.Module):
         drafter.eval()
         return drafter
 
+    def session(
+        self, sampling: SamplingConfig | None = None, generator: torch.Generator | None = None
+    ) -> DraftSession:
+        """Open a per-request drafting session (its own cache of committed tokens)."""
+        return DraftSession(self, sampling, generator)
+
     # ----- forward passes -----------------------------------------------------------------
     @property
     def block_size(self) -> int:

@@ -5,8 +5,9 @@ resolves model specs (see :class:`d3d.config.ModelConfig`), checks at load that 
 the target (same vocabulary, device present), and turns a prompt into a :class:`Generation`.
 
 Drafter specs: ``default`` (the checkpoint shipped in ``d3d/checkpoints/`` for the embedded
-target, else ``self:4``), ``self:N`` (the target's first N layers, untrained), ``self:0,5,9``
-(those layers), or a checkpoint directory written by :meth:`D3DDrafter.save`.
+target, else the target's first 4 layers, untrained), ``self:N`` (the target's first N layers,
+untrained), ``self:0,5,9`` (those layers), or a checkpoint directory written by
+:meth:`D3DDrafter.save`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 DEFAULT_DRAFTER_DIR = CHECKPOINTS / "smollm2-135m"
-FALLBACK_DRAFTER = "self:4"
+FALLBACK_LAYERS = 4
 
 
 def check_device(device: str) -> None:
@@ -51,7 +52,14 @@ def build_drafter(spec: str, target: LoadedModel, device: str | None = None) -> 
             target.spec.lower() in DEFAULT_SPECS
             and (DEFAULT_DRAFTER_DIR / "drafter.json").is_file()
         )
-        spec = str(DEFAULT_DRAFTER_DIR) if shipped else FALLBACK_DRAFTER
+        if shipped:
+            spec = str(DEFAULT_DRAFTER_DIR)
+        else:
+            n = min(FALLBACK_LAYERS, target.model.config.num_hidden_layers)
+            log.warning(
+                "no trained drafter for %s: using its first %d layers, untrained", target.spec, n
+            )
+            spec = f"self:{n}"
     if spec.startswith("self:"):
         body = spec[len("self:") :]
         try:

@@ -1,0 +1,96 @@
+"""Exactness on the embedded default target (SmolLM2-135M-Instruct) with real prompts.
+
+These load the real model (about a second once converted; the first run converts the GGUF file,
+about 20 s), so they are marked ``slow``; CI runs them.
+"""
+
+import json
+
+import pytest
+
+from d3d.config import DecodeConfig
+from d3d.decode import SyncProposer, decode
+from d3d.drafter import D3DDrafter
+from d3d.engine import Engine, build_drafter
+from d3d.models import load_target
+from tests.conftest import OracleDrafter
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "What is the capital of France? Answer in one sentence.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("default")
+
+
+@pytest.mark.parametrize("drafter_spec", ["default", "self:4", "self:0,7,14,21,29"])
+def test_sync_equals_ar_on_real_prompts(target, drafter_spec):
+    engine = Engine(target, build_drafter(drafter_spec, target))
+    for prompt in PROMPTS:
+        ar = engine.generate(prompt, DecodeConfig(mode="ar", max_new_tokens=48))
+        sync = engine.generate(prompt, DecodeConfig(mode="sync", max_new_tokens=48))
+        assert sync.token_ids == ar.token_ids, prompt
+        assert sync.text == ar.text
+        assert sync.stats.num_drafts > 0
+
+
+def test_oracle_drafter_accepts_full_blocks_on_the_real_model(target):
+    engine = Engine(target, None)
+    ids = engine.encode(PROMPTS[0])
+    ref = engine.generate_ids(ids, DecodeConfig(mode="ar", max_new_tokens=33))
+    from d3d.decode import DecodeStats
+
+    stats = DecodeStats(mode="sync")
+    cfg = DecodeConfig(mode="sync", max_new_tokens=33)
+    proposer = SyncProposer(OracleDrafter(target.model))
+    out = [
+        t for c in decode(target.model, proposer, ids, cfg, target.eos_token_ids, stats) for t in c
+    ]
+    assert out == ref.token_ids
+    assert stats.num_drafts == 2 and stats.acceptance_length == 16.0
+
+
+def test_cli_sync_and_ar_print_identical_token_ids(capsys):
+    from d3d.cli import main
+
+    prompt = "Write a Python function that reverses a string."
+    outs = {}
+    for mode in ("sync", "ar"):
+        assert main(["generate", prompt, "--mode", mode, "--json", "--max-new-tokens", "64"]) == 0
+        outs[mode] = json.loads(capsys.readouterr().out)
+    assert outs["sync"]["token_ids"] == outs["ar"]["token_ids"]
+    for key in (
+        "text",
+        "token_ids",
+        "mode",
+        "num_tokens",
+        "acceptance_length",
+        "num_drafts",
+        "decode_seconds",
+    ):
+        assert key in outs["sync"]
+    assert outs["sync"]["mode"] == "sync" and outs["sync"]["num_drafts"] > 0
+    assert "reverse" in outs["ar"]["text"]
+
+
+def test_cli_bad_input_is_a_one_line_error(capsys):
+    from d3d.cli import main
+
+    assert main(["generate", "hi", "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("d3d: error: temperature:") and err.count("\n") == 1
+    assert main(["generate", "hi", "--target", "/no/such/model"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_drafter_from_the_real_target_shares_its_embeddings(target):
+    d = D3DDrafter.from_target(target.model, 4)
+    assert d.lm.get_input_embeddings() is target.model.get_input_embeddings()
+    assert d.lm.get_output_embeddings() is target.model.get_output_embeddings()

@@ -1,0 +1,118 @@
+"""Every decoding mode's greedy output equals plain greedy decoding of the target.
+
+Tiny random-weight Llama and Qwen3 targets, with three drafters: an untrained D3D drafter built
+from the target's layers, one that is always wrong, and an oracle that drafts the target's own
+continuation (acceptance length must then be the full block, 16 tokens per round).
+"""
+
+import pytest
+import torch
+
+from d3d.config import DecodeConfig
+from d3d.decode import ArProposer, DecodeStats, SyncProposer, decode
+from d3d.drafter import D3DDrafter
+from tests.conftest import OracleDrafter, greedy_continuation, tiny_model
+
+PROMPTS = [[1, 5, 9, 22, 7], [3] * 12, list(range(2, 40))]
+NO_EOS: set[int] = set()
+
+
+def run(model, proposer, prompt, n=40, block=16, eos=NO_EOS):
+    stats = DecodeStats(mode=proposer.name)
+    cfg = DecodeConfig(mode=proposer.name, max_new_tokens=n, block_size=block)
+    out = [t for chunk in decode(model, proposer, prompt, cfg, eos, stats) for t in chunk]
+    return out, stats
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ar_equals_naive_greedy(tiny_target, prompt):
+    out, stats = run(tiny_target, ArProposer(), prompt, n=20)
+    assert out == greedy_continuation(tiny_target, prompt, 20)
+    assert stats.num_tokens == 20 and stats.stop_reason == "length"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("drafter_kind", ["untrained", "wrong", "oracle", "foreign"])
+def test_sync_greedy_equals_ar_greedy(tiny_target, prompt, drafter_kind):
+    if drafter_kind == "untrained":
+        drafter = D3DDrafter.from_target(tiny_target, 1)
+    elif drafter_kind == "foreign":  # another model's weights entirely (shared vocabulary only)
+        other = tiny_model("llama", seed=7)
+        drafter = D3DDrafter.from_target(other, 2)
+    else:
+        drafter = OracleDrafter(tiny_target, wrong=drafter_kind == "wrong")
+    ref, _ = run(tiny_target, ArProposer(), prompt)
+    out, stats = run(tiny_target, SyncProposer(drafter), prompt)
+    assert out == ref
+    assert stats.num_tokens == len(ref)
+    if drafter_kind == "wrong":
+        assert stats.num_accepted_tokens == 0
+        assert stats.acceptance_length == 1.0
+    if drafter_kind == "oracle":
+        # 40 tokens = the prefill's first token + 16 + 16 + 7 (the last round is clipped).
+        assert stats.accepted_per_position[0] == stats.num_drafts
+        assert stats.num_accepted_tokens == 15 * stats.num_drafts
+        assert stats.acceptance_length == 16.0
+
+
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_sync_block_sizes(tiny_target, block):
+    drafter = D3DDrafter.from_target(tiny_target, 2, block_size=block)
+    ref, _ = run(tiny_target, ArProposer(), PROMPTS[0], n=30)
+    out, stats = run(tiny_target, SyncProposer(drafter), PROMPTS[0], n=30, block=block)
+    assert out == ref
+    assert stats.num_draft_tokens == (block - 1) * stats.num_drafts
+    oracle, ostats = run(
+        tiny_target, SyncProposer(OracleDrafter(tiny_target, block)), PROMPTS[0], n=30, block=block
+    )
+    assert oracle == ref and ostats.acceptance_length == block
+
+
+def test_stops_at_eos_in_the_middle_of_an_accepted_block(tiny_target):
+    ref = greedy_continuation(tiny_target, PROMPTS[2], 30)
+    eos = {ref[9]}
+    cut = ref[: ref.index(ref[9]) + 1]
+    for proposer in (ArProposer(), SyncProposer(OracleDrafter(tiny_target))):
+        out, stats = run(tiny_target, proposer, PROMPTS[2], n=30, eos=eos)
+        assert out == cut, proposer.name
+        assert stats.stop_reason == "eos"
+
+
+def test_drafter_cache_holds_committed_tokens_only(tiny_target):
+    drafter = D3DDrafter.from_target(tiny_target, 2)
+    session = drafter.session()
+    a = session.draft([4, 5, 6, 7])
+    assert session.cache.get_seq_length() == 3  # everything but the anchor; no block KV left
+    session.draft([4, 5, 6, 7, 8, 9])
+    assert session.cache.get_seq_length() == 5
+    b = session.draft([4, 5, 6, 7])  # a shorter, diverging sequence rolls the cache back
+    assert session.cache.get_seq_length() == 3
+    assert torch.equal(a.tokens, b.tokens)
+    fresh = drafter.session().draft([4, 5, 6, 7])
+    assert torch.equal(fresh.tokens, a.tokens)
+
+
+def test_block_forward_matches_a_cacheless_reference(tiny_target):
+    """The cached block forward equals one full forward of [prefix, anchor, masks] with a hand mask."""
+    drafter = D3DDrafter.from_target(tiny_target, 2, block_size=4)
+    prefix, anchor = [3, 8, 13, 21], 34
+    logits = drafter.block_logits(anchor, _cache_with(drafter, prefix))
+    s = len(prefix)
+    emb = drafter.lm.get_input_embeddings()(torch.tensor([prefix]))
+    x = torch.cat([emb, drafter.block_embeds(torch.tensor([anchor]))], dim=1)
+    mask = torch.ones(1, 1, s + 4, s + 4, dtype=torch.bool).tril()
+    mask[0, 0, s:, s:] = True  # the block is bidirectional within itself
+    with torch.inference_mode():
+        ref = drafter.lm(
+            inputs_embeds=x, attention_mask=mask, position_ids=torch.arange(s + 4)[None]
+        ).logits
+    torch.testing.assert_close(logits, ref[0, s : s + 3], atol=1e-5, rtol=1e-4)
+
+
+def _cache_with(drafter, prefix):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        drafter.encode(prefix, cache)
+    return cache

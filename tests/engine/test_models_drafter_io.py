@@ -1,0 +1,103 @@
+"""Loading errors, drafter checkpoints, and the fail-fast checks at load time."""
+
+import json
+
+import pytest
+import torch
+
+from d3d.config import ModelConfig
+from d3d.drafter import D3DDrafter, DrafterError
+from d3d.engine import Engine, build_drafter, check_device
+from d3d.models import LoadedModel, ModelLoadError, load_target
+from tests.conftest import tiny_model, tiny_tokenizer
+
+
+def test_missing_paths_give_one_line_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_target(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_target(str(tmp_path / "model.gguf"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_target(str(tmp_path / "empty"))
+
+
+def test_unreadable_model_folder(tmp_path):
+    d = tmp_path / "broken"
+    d.mkdir()
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        load_target(str(d))
+
+
+def test_local_directory_round_trip(tmp_path):
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    loaded = load_target(str(tmp_path / "m"))
+    assert loaded.vocab_size == model.config.vocab_size
+    assert loaded.eos_token_ids == {model.config.vocab_size - 1}
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(loaded.model(ids).logits, model(ids).logits)
+    assert loaded.tokenizer("w1 w2")["input_ids"] == [1, 2]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_checkpoint_round_trip_keeps_outputs_and_leaves_out_shared_tensors(tmp_path, kind):
+    target = tiny_model(kind, seed=2, layers=3)
+    drafter = D3DDrafter.from_target(target, [0, 2], block_size=8)
+    with torch.no_grad():
+        drafter.mask_embedding.add_(0.5)  # not the default init, so loading must restore it
+    drafter.save(tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / "drafter.json").read_text())
+    assert meta["meta"]["layers"] == [0, 2]
+    from safetensors.torch import load_file
+
+    keys = load_file(str(tmp_path / "ckpt" / "drafter.safetensors")).keys()
+    assert "mask_embedding" in keys
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
+
+    loaded = D3DDrafter.load(tmp_path / "ckpt", target)
+    assert loaded.block_size == 8
+    ids = [5, 6, 7, 8, 9]
+    a, b = drafter.session().draft(ids), loaded.session().draft(ids)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(loaded.mask_embedding, drafter.mask_embedding)
+
+
+def test_drafter_vocab_must_match_target(tmp_path):
+    D3DDrafter.from_target(tiny_model("llama", vocab=101), 1).save(tmp_path / "ckpt")
+    with pytest.raises(DrafterError, match="vocabulary"):
+        D3DDrafter.load(tmp_path / "ckpt", tiny_model("llama", vocab=97))
+
+
+def test_bad_drafter_specs(tmp_path):
+    target = LoadedModel(model=tiny_model("llama"), tokenizer=None, spec="tiny")
+    with pytest.raises(DrafterError, match="not found"):
+        build_drafter(str(tmp_path / "missing"), target)
+    with pytest.raises(DrafterError, match="not a drafter checkpoint"):
+        build_drafter(str(tmp_path), target)
+    with pytest.raises(DrafterError, match="bad drafter spec"):
+        build_drafter("self:x", target)
+    with pytest.raises(DrafterError, match="layers must be"):
+        build_drafter("self:0,9", target)
+    assert len(build_drafter("self:0,1", target).meta.layers) == 2
+    # No shipped drafter for this target: the default is its first layers (all 2 of them here).
+    assert build_drafter("default", target).meta.layers == (0, 1)
+
+
+def test_engine_rejects_a_drafter_of_another_vocabulary():
+    target = LoadedModel(model=tiny_model("llama", vocab=101), tokenizer=None, spec="tiny")
+    other = D3DDrafter.from_target(tiny_model("llama", vocab=97), 1)
+    with pytest.raises(DrafterError, match="vocabulary"):
+        Engine(target, other)
+
+
+def test_missing_devices_fail_fast():
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+            check_device("cuda:1")
+    with pytest.raises(ModelLoadError, match="unknown device"):
+        check_device("tpu")
+    with pytest.raises(ModelLoadError):
+        Engine.from_config(ModelConfig(target_device="tpu"))

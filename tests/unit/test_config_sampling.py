@@ -1,0 +1,49 @@
+"""Config validation names the field; sampling builds the distributions both sides share."""
+
+import pytest
+import torch
+
+from d3d.config import ConfigError, DecodeConfig, ModelConfig, SamplingConfig
+from d3d.sampling import pick, probabilities
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: SamplingConfig(temperature=-1), "temperature"),
+        (lambda: SamplingConfig(top_p=0), "top_p"),
+        (lambda: DecodeConfig(mode="fast"), "mode"),
+        (lambda: DecodeConfig(max_new_tokens=0), "max_new_tokens"),
+        (lambda: DecodeConfig(block_size=1), "block_size"),
+        (lambda: ModelConfig(target=" "), "target"),
+        (lambda: ModelConfig(dtype="int8"), "dtype"),
+    ],
+)
+def test_config_errors_name_the_field(make, field):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        make()
+
+
+def test_model_config_from_env(monkeypatch):
+    monkeypatch.setenv("D3D_TARGET", "Qwen/Qwen3-8B")
+    monkeypatch.setenv("D3D_DRAFTER_DEVICE", "cuda:1")
+    cfg = ModelConfig.from_env(drafter="self:4")
+    assert cfg.target == "Qwen/Qwen3-8B"
+    assert cfg.drafter == "self:4"
+    assert cfg.resolved_drafter_device == "cuda:1"
+
+
+def test_probabilities_temperature_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = probabilities(logits, SamplingConfig(temperature=1.0))
+    assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.05]]), atol=1e-6)
+    p = probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]), atol=1e-6)
+    p = probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.1))
+    assert torch.allclose(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError):
+        probabilities(logits, SamplingConfig())
+
+
+def test_pick_greedy_is_argmax():
+    assert pick(torch.tensor([0.1, 3.0, 2.0]), SamplingConfig(), None) == 1
