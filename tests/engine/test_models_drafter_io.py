@@ -30,6 +30,13 @@ def test_unreadable_model_folder(tmp_path):
         load_target(str(d))
 
 
+def test_a_file_that_is_not_gguf(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a model at all" * 10)
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        load_target(str(bad))
+
+
 def test_local_directory_round_trip(tmp_path):
     model = tiny_model("qwen3")
     model.save_pretrained(tmp_path / "m")
