@@ -240,21 +240,34 @@ class D3DDrafter(nn.Module):
         pos = torch.arange(s, s + x.shape[1], device=self.device).unsqueeze(0)
         self.lm.model(input_ids=x, position_ids=pos, **with_cache(self.lm.model, cache))
 
-    def block_logits(self, anchor: int, cache: DynamicCache) -> torch.Tensor:
-        """Logits of one block after the cached prefix: [K, V] (the cache is left unchanged)."""
-        s, b = cache_length(cache), self.block_size
+    def block_logits(
+        self, anchor: int, cache: DynamicCache, pending: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """Logits [K, V] of one block ``[anchor, MASK x K]`` after the cached prefix.
+
+        ``pending`` committed tokens (between the cache and the anchor) are encoded into the
+        cache in the same forward, causally, so a round costs one drafter pass; the block's own
+        KV is dropped, leaving the cache at S + len(pending).
+        """
+        s, t, b = cache_length(cache), len(pending), self.block_size
         embeds = self.block_embeds(torch.tensor([anchor], device=self.device))
+        if t:
+            new = self.lm.get_input_embeddings()(torch.tensor([list(pending)], device=self.device))
+            embeds = torch.cat([new, embeds], dim=1)
         mask = masks.to_model_mask(
-            masks.block_mask(s, b, self.device), self.lm.config._attn_implementation, embeds.dtype
+            masks.extend_block_mask(s, t, b, self.device),
+            self.lm.config._attn_implementation,
+            embeds.dtype,
         )
         out = self.lm(
             inputs_embeds=embeds,
-            position_ids=masks.block_positions(s, b, self.device),
+            position_ids=torch.arange(s, s + t + b, device=self.device).unsqueeze(0),
             attention_mask=mask,
+            logits_to_keep=torch.arange(t, t + b - 1, device=self.device),
             **with_cache(self.lm, cache),
         )
         trim_cache(cache, b)
-        return out.logits[0, : b - 1]
+        return out.logits[0]
 
 
 def _vocab(model: PreTrainedModel) -> int:
@@ -281,9 +294,8 @@ class DraftSession:
         self.cache = DynamicCache()
         self.cached_ids: list[int] = []
 
-    def sync(self, token_ids: Sequence[int]) -> None:
-        """Make the cache hold ``token_ids[:-1]``, reusing the common cached prefix."""
-        want = list(token_ids[:-1])
+    def _rewind(self, want: list[int]) -> list[int]:
+        """Cut the cache back to its longest prefix shared with ``want``; return the rest."""
         common = 0
         for a, b in zip(self.cached_ids, want, strict=False):
             if a != b:
@@ -293,16 +305,18 @@ class DraftSession:
             self.cache = DynamicCache()
         else:
             trim_cache(self.cache, len(self.cached_ids) - common)
-        self.drafter.encode(want[common:], self.cache)
-        self.cached_ids = want
+        self.cached_ids = want[:common]
+        return want[common:]
 
     @torch.inference_mode()
     def draft(self, token_ids: Sequence[int]) -> Draft:
         """Draft K = B-1 tokens after ``token_ids`` (the committed sequence, anchor last)."""
         if not token_ids:
             raise ValueError("drafting needs at least one committed token (the anchor)")
-        self.sync(token_ids)
-        logits = self.drafter.block_logits(int(token_ids[-1]), self.cache)
+        want = [int(t) for t in token_ids[:-1]]
+        pending = self._rewind(want)
+        logits = self.drafter.block_logits(int(token_ids[-1]), self.cache, pending)
+        self.cached_ids = want
         if self.sampling.greedy:
             return Draft(tokens=logits.argmax(dim=-1), q=None)
         q = probabilities(logits, self.sampling)

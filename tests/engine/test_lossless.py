@@ -109,6 +109,16 @@ def test_block_forward_matches_a_cacheless_reference(tiny_target):
     torch.testing.assert_close(logits, ref[0, s : s + 3], atol=1e-5, rtol=1e-4)
 
 
+def test_fused_catch_up_and_block_equals_encode_then_block(tiny_target):
+    drafter = D3DDrafter.from_target(tiny_target, 2)
+    ref = drafter.block_logits(34, _cache_with(drafter, [3, 8, 13, 21, 5, 6]))
+    cache = _cache_with(drafter, [3, 8, 13])
+    with torch.inference_mode():
+        fused = drafter.block_logits(34, cache, pending=[21, 5, 6])
+    torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-4)
+    assert cache.get_seq_length() == 6, "pending tokens stay cached, the block does not"
+
+
 def _cache_with(drafter, prefix):
     from transformers import DynamicCache
 

@@ -37,3 +37,13 @@ def test_to_model_mask_sdpa_keeps_bool_and_eager_is_additive():
     assert add.dtype == torch.float32
     assert (add[m] == 0).all()
     assert (add[~m] == torch.finfo(torch.float32).min).all()
+
+
+def test_extend_block_mask_new_tokens_are_causal_and_blind_to_the_block():
+    m = masks.extend_block_mask(prefix_len=2, new_len=2, block_size=3)[0, 0]
+    assert m.shape == (5, 7)
+    new = m[:2]
+    assert torch.equal(new[:, :4], masks.causal_mask(2, 2)[0, 0])
+    assert not new[:, 4:].any(), "committed tokens never see the draft block"
+    assert m[2:].all(), "the block sees the prefix, the new tokens and all of its own slots"
+    assert torch.equal(masks.extend_block_mask(4, 0, 3), masks.block_mask(4, 3))
