@@ -32,6 +32,27 @@ def block_positions(
     return torch.arange(prefix_len, prefix_len + block_size, device=device).unsqueeze(0)
 
 
+def extend_block_mask(
+    prefix_len: int, new_len: int, block_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """T new committed tokens (causal) followed by one draft block, after S cached tokens.
+
+    Lets the drafter catch its cache up with the accepted tokens and draft the next block in a
+    single forward: the new tokens see the cache and each other causally, never the block; the
+    block sees everything before it and all of its own slots. Returns bool [1, 1, T+B, S+T+B].
+    """
+    t, b = new_len, block_size
+    new_rows = torch.cat(
+        [
+            causal_mask(prefix_len, t, device)[0, 0],
+            torch.zeros(t, b, dtype=torch.bool, device=device),
+        ],
+        dim=1,
+    )
+    block_rows = torch.ones(b, prefix_len + t + b, dtype=torch.bool, device=device)
+    return torch.cat([new_rows, block_rows], dim=0).unsqueeze(0).unsqueeze(0)
+
+
 def causal_mask(prefix_len: int, new_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Ordinary causal mask for T new tokens after S cached ones: bool [1, 1, T, S + T]."""
     q = torch.arange(new_len, device=device).unsqueeze(1) + prefix_len
@@ -49,3 +70,53 @@ def to_model_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dty
         return mask
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return out.masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def packed_block_mask(
+    clean_len: int,
+    anchors: list[int],
+    block_size: int,
+    clean_queries: bool = True,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Mask for clean tokens followed by many draft blocks, in one forward (training, scoring).
+
+    Keys are the L clean tokens then n blocks of B slots. Clean queries (when included) are
+    causal over the clean tokens and see no block. Block i, anchored at clean position s_i, sees
+    the clean tokens at positions < s_i and every slot of its own block — exactly what it sees
+    when drafting after a cache of x_0..x_{s_i-1}; it never sees another block.
+    Returns bool [1, 1, Q, L + n*B] with Q = L + n*B (or n*B without clean queries).
+    """
+    n, b = len(anchors), block_size
+    s = torch.tensor(anchors, dtype=torch.long, device=device)
+    if n and (int(s.min()) < 0 or int(s.max()) >= clean_len):
+        raise ValueError(f"anchors must lie in [0, {clean_len}), got {anchors}")
+    block_of = torch.arange(n, device=device).repeat_interleave(b)  # [n*B]
+    k_clean = torch.arange(clean_len, device=device)
+    blocks_clean = k_clean.unsqueeze(0) < s[block_of].unsqueeze(1)  # [n*B, L]
+    blocks_blocks = block_of.unsqueeze(1) == block_of.unsqueeze(0)  # [n*B, n*B]
+    rows = torch.cat([blocks_clean, blocks_blocks], dim=1)
+    if clean_queries:
+        clean = torch.cat(
+            [
+                k_clean.unsqueeze(0) <= k_clean.unsqueeze(1),
+                torch.zeros(clean_len, n * b, dtype=torch.bool, device=device),
+            ],
+            dim=1,
+        )
+        rows = torch.cat([clean, rows], dim=0)
+    return rows.unsqueeze(0).unsqueeze(0)
+
+
+def packed_block_positions(
+    clean_len: int,
+    anchors: list[int],
+    block_size: int,
+    clean_queries: bool = True,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Position ids [1, Q] for :func:`packed_block_mask`: clean 0..L-1, block i s_i..s_i+B-1."""
+    s = torch.tensor(anchors, dtype=torch.long, device=device)
+    blocks = (s.unsqueeze(1) + torch.arange(block_size, device=device)).reshape(-1)
+    parts = [torch.arange(clean_len, device=device), blocks] if clean_queries else [blocks]
+    return torch.cat(parts).unsqueeze(0)
