@@ -166,8 +166,13 @@ def encode_prompt(
 ) -> list[int]:
     """Token ids of a user prompt, wrapped in the chat template when the tokenizer has one."""
     if chat_template and getattr(tokenizer, "chat_template", None):
+        # Qwen3 templates read enable_thinking (non-thinking mode, as D3D is evaluated); other
+        # templates ignore the extra variable.
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            enable_thinking=False,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
