@@ -1,0 +1,2 @@
+"""Drafter training: target-response data, packed objectives, the training loop, offline
+acceptance length, progressive layer pruning and online evaluation (see docs/training.md)."""

@@ -1,0 +1,241 @@
+"""``d3d data``, ``d3d train``, ``d3d prune``, ``d3d accept`` and ``d3d drafter-eval``.
+
+Thin wrappers: parse flags into the frozen configs of :mod:`d3d.training` and call it. Every
+command takes the shared model flags (``--target``, ``--threads``, ``--device``, ...); for
+``train`` ``--drafter`` names the initialisation (default ``self:8``: the target's first 8
+layers; ``hf:ID`` a whole pretrained model with the target's tokenizer), for ``prune`` and ``accept`` the trained checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from d3d.cli import add_model_args, model_config
+
+DEFAULT_INIT = "self:8"
+
+
+def _load(args: argparse.Namespace, drafter_spec: str | None):
+    """The target (and a drafter when ``drafter_spec``) on the configured device and threads."""
+    from d3d.engine import check_device
+    from d3d.models import load_target
+    from d3d.training.train import init_drafter
+
+    mcfg = model_config(args)
+    check_device(mcfg.target_device)
+    if mcfg.threads:
+        torch.set_num_threads(mcfg.threads)
+    target = load_target(mcfg.target, device=mcfg.target_device, dtype=mcfg.dtype)
+    drafter = (
+        init_drafter(drafter_spec, target, mcfg.resolved_drafter_device) if drafter_spec else None
+    )
+    return target, drafter
+
+
+def _records(args: argparse.Namespace):
+    from d3d.training.data import read_records, validation_split
+
+    return validation_split(read_records(args.data, "train"), args.val_seqs)
+
+
+def _gamma(text: str) -> float | None:
+    return None if text.lower() in ("none", "uniform") else float(text)
+
+
+def _train_config(args: argparse.Namespace, steps: int, save_every: int):
+    from d3d.training.objectives import LossConfig
+    from d3d.training.train import TrainConfig
+
+    loss = LossConfig(gamma=args.gamma, ntp_weight=args.ntp_weight, anchors_per_seq=args.anchors)
+    return TrainConfig(
+        steps=steps,
+        lr=args.lr,
+        warmup=args.warmup,
+        grad_accum=args.grad_accum,
+        max_len=args.max_len,
+        loss=loss,
+        val_every=args.val_every,
+        val_stride=args.val_stride,
+        save_every=save_every,
+        seed=args.seed,
+    )
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from d3d.training.data import (
+        DEFAULT_MIX,
+        DataConfig,
+        generate_data,
+        prompt_mix,
+        write_heldout_prompts,
+    )
+
+    cfg = DataConfig(
+        sources=tuple(args.sources or DEFAULT_MIX),
+        heldout_fraction=args.heldout_fraction,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+    )
+    prompts = prompt_mix(cfg.sources)
+    target, _ = _load(args, None)
+    t0 = time.perf_counter()
+    n = generate_data(target, prompts, args.out, cfg)
+    report = {"out": args.out, "written": n, "seconds": round(time.perf_counter() - t0)}
+    if args.heldout_prompts:
+        report["heldout_prompts"] = write_heldout_prompts(args.out, args.heldout_prompts)
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from d3d.training.train import train
+
+    cfg = _train_config(args, args.steps, args.save_every)
+    train_recs, val_recs = _records(args)
+    _, drafter = _load(args, args.drafter or DEFAULT_INIT)
+    result = train(drafter, train_recs, cfg, args.out, val_recs, resume=not args.no_resume)
+    print(
+        json.dumps(
+            {
+                "out": str(Path(args.out) / "final"),
+                "steps": result.steps,
+                "loss": round(result.loss, 4),
+                "val": result.val,
+                "seconds": round(result.seconds),
+            }
+        )
+    )
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from d3d.training.prune import PruneConfig, markdown_table, prune
+
+    if not args.drafter:
+        raise ValueError("prune needs --drafter CHECKPOINT (a trained drafter)")
+    cfg = PruneConfig(
+        min_layers=args.min_layers,
+        max_stages=args.max_stages,
+        patience=args.patience,
+        recovery=_train_config(args, args.recovery_steps, args.recovery_steps),
+        val_stride=args.val_stride,
+    )
+    train_recs, val_recs = _records(args)
+    target, drafter = _load(args, args.drafter)
+    stages, chosen = prune(drafter, target.model, train_recs, val_recs, cfg, args.out)
+    chosen.save(Path(args.out) / "chosen")
+    if args.export:
+        from d3d.training.train import save_compact
+
+        save_compact(chosen, args.export, getattr(torch, args.export_dtype))
+    print(markdown_table(stages, max(stages, key=lambda s: s.estimated_speedup).stage))
+    return 0
+
+
+def cmd_accept(args: argparse.Namespace) -> int:
+    from d3d.training.accept import offline_acceptance
+    from d3d.training.data import read_records
+
+    records = read_records(args.data, args.split)
+    if args.ids:
+        # Score the records named (in order) by a prompt file, e.g. the held-out prompts file.
+        by_id = {r["id"]: r for r in records}
+        wanted = [json.loads(x)["id"] for x in Path(args.ids).read_text().splitlines() if x.strip()]
+        records = [by_id[i] for i in wanted if i in by_id]
+    records = records[: args.limit or None]
+    _, drafter = _load(args, args.drafter or "default")
+    t0 = time.perf_counter()
+    acc = offline_acceptance(drafter, records, mode=args.mode, stride=args.stride,
+                             max_response=args.max_new_tokens)  # fmt: skip
+    out = {"n_records": len(records), "mode": args.mode, **acc.to_dict()}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_drafter_eval(args: argparse.Namespace) -> int:
+    from d3d.engine import Engine
+    from d3d.training.evaluate import evaluate, read_prompts
+
+    prompts = read_prompts(args.prompts, args.limit)
+    engine = Engine.from_config(model_config(args))
+    report = evaluate(engine, prompts, args.max_new_tokens, progress=not args.json)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for k, v in report.items():
+            print(f"{k:>26}: {v}")
+    return 0
+
+
+def _train_flags(p: argparse.ArgumentParser, steps: int) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--data", required=True, help="jsonl written by `d3d data`")
+    g.add_argument("--steps", type=int, default=steps)
+    g.add_argument("--lr", type=float, default=5e-4)
+    g.add_argument("--warmup", type=int, default=10)
+    g.add_argument("--grad-accum", type=int, default=4, help="sequences per optimizer step")
+    g.add_argument("--max-len", type=int, default=320, help="window of prompt + response tokens")
+    g.add_argument("--gamma", type=_gamma, default=5.0, help="position decay; 'none' = uniform")
+    g.add_argument("--ntp-weight", type=float, default=0.5, help="weight of the next-token loss")
+    g.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    g.add_argument("--val-seqs", type=int, default=12, help="training records set aside")
+    g.add_argument("--val-every", type=int, default=50)
+    g.add_argument("--val-stride", type=int, default=8)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="generate the target's own responses as training data")
+    p.add_argument("--out", required=True, help="jsonl file (appended to; reruns resume)")
+    p.add_argument("--sources", nargs="+", default=None, help="prompt sources, e.g. gsm8k@300")
+    p.add_argument("--heldout-fraction", type=float, default=0.08)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--heldout-prompts", default=None, help="also write the held-out prompts here")
+    add_model_args(p)
+    p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("train", help="train a drafter on target responses (resumable)")
+    p.add_argument("--out", required=True, help="run folder (checkpoints, log.jsonl, final/)")
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--no-resume", action="store_true", help="ignore OUT/last")
+    _train_flags(p, steps=300)
+    add_model_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prune", help="progressive layer pruning of a trained drafter")
+    p.add_argument("--out", required=True, help="folder for stages, table and plot")
+    p.add_argument("--min-layers", type=int, default=2)
+    p.add_argument("--max-stages", type=int, default=4)
+    p.add_argument("--patience", type=int, default=1)
+    p.add_argument("--recovery-steps", type=int, default=30)
+    p.add_argument("--export", default=None, help="also save the chosen drafter here")
+    p.add_argument("--export-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    _train_flags(p, steps=30)
+    add_model_args(p)
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("accept", help="offline acceptance length on target responses")
+    p.add_argument("--data", required=True, help="jsonl written by `d3d data`")
+    p.add_argument("--split", default="heldout", choices=["heldout", "train"])
+    p.add_argument("--mode", default="rounds", choices=["rounds", "stride"])
+    p.add_argument("--stride", type=int, default=4)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--ids", default=None, help="jsonl with 'id': score these records, in order")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="score only this many")
+    add_model_args(p)
+    p.set_defaults(func=cmd_accept)
+
+    p = sub.add_parser("drafter-eval", help="sync vs ar greedy decoding on held-out prompts")
+    p.add_argument("--prompts", default=None, help="jsonl with 'prompt' or one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(p)
+    p.set_defaults(func=cmd_drafter_eval)

@@ -1,0 +1,189 @@
+"""Drafter training objectives, computed in one packed forward per sequence.
+
+Design (DESIGN.md §2):
+
+- *Masked-block prediction.* Sample anchors s in the response; each block ``[x_s, MASK x (B-1)]``
+  sits at positions s..s+B-1, sees the clean tokens before s and its own block, and slot j is
+  trained to predict x_{s+j+1} — the same convention the drafter uses at inference, so the
+  packed forward gives exactly the logits :class:`d3d.drafter.DraftSession` would. Slot j is
+  draft position k = j+1 and weighs w_k = exp(-(k-1)/gamma) (earlier positions matter more,
+  since verification stops at the first miss); ``gamma=None`` weighs all positions equally.
+- *Next-token prediction* on the clean stream (the response tokens), weight ``ntp_weight``,
+  keeps the drafter a good causal LM, which is what fills its prefix cache.
+- Both share one forward: clean tokens first (causal), then all blocks, with the mask from
+  :func:`d3d.masks.packed_block_mask`. The LM head runs only on the rows that carry a loss,
+  since over a 49k vocabulary it costs as much as a few layers.
+
+Pure functions take tensors; :func:`packed_forward` and :func:`drafter_loss` run the model.
+Letters: L clean length, n blocks, B block size, K = B-1 drafts, V vocab, H hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from d3d import masks
+from d3d.drafter import D3DDrafter
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Weights of the two objectives and how many blocks each sequence contributes."""
+
+    gamma: float | None = 5.0
+    ntp_weight: float = 0.5
+    anchors_per_seq: int = 16
+
+    def __post_init__(self) -> None:
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma: must be > 0 (or None for uniform), got {self.gamma}")
+        if self.ntp_weight < 0:
+            raise ValueError(f"ntp_weight: must be >= 0, got {self.ntp_weight}")
+        if self.anchors_per_seq < 1:
+            raise ValueError(f"anchors_per_seq: must be >= 1, got {self.anchors_per_seq}")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One sequence laid out for the packed forward.
+
+    ``ids`` [L] clean tokens; ``anchors`` n positions; ``block_labels`` [n, K];
+    ``ntp_start``: clean positions t >= ntp_start predict ids[t+1] in the next-token loss.
+    """
+
+    ids: torch.Tensor
+    anchors: list[int]
+    block_labels: torch.Tensor
+    ntp_start: int
+
+
+@dataclass(frozen=True)
+class LossParts:
+    """The total loss (with grad) and its two parts (floats, for logging)."""
+
+    total: torch.Tensor
+    block: float
+    ntp: float
+
+
+def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for draft positions k = 1..B-1 (ones when gamma is None): [K]."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    if gamma is None:
+        return torch.ones_like(k)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_labels(ids: torch.Tensor, anchors: Sequence[int], block_size: int) -> torch.Tensor:
+    """Targets of each block's slots: slot j of the block at s predicts ids[s+j+1]: [n, K].
+
+    Slots past the end of the sequence get ``IGNORE``.
+    """
+    idx = torch.tensor(list(anchors), dtype=torch.long).unsqueeze(1) + torch.arange(1, block_size)
+    valid = idx < ids.shape[0]
+    out = torch.full(idx.shape, IGNORE, dtype=torch.long)
+    out[valid] = ids.cpu()[idx[valid]]
+    return out
+
+
+def sample_anchors(lo: int, hi: int, n: int, generator: torch.Generator) -> list[int]:
+    """n distinct anchors in [lo, hi] (all of them when fewer exist), sorted."""
+    if hi < lo:
+        return []
+    count = hi - lo + 1
+    if count <= n:
+        return list(range(lo, hi + 1))
+    pick = torch.randperm(count, generator=generator)[:n]
+    return sorted(int(i) + lo for i in pick)
+
+
+def pack(
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    n_anchors: int,
+    block_size: int,
+    generator: torch.Generator,
+    max_len: int | None = None,
+) -> Packed | None:
+    """Lay out one training sequence: a window of prompt + response and sampled anchors.
+
+    A sequence longer than ``max_len`` keeps a random window that ends inside the response,
+    dropping the oldest tokens (RoPE only sees relative positions). Anchors lie on response
+    tokens that still have a next token. Returns None when there is nothing to train on.
+    """
+    ids = list(prompt_ids) + list(response_ids)
+    p = len(prompt_ids)
+    if max_len is not None and len(ids) > max_len:
+        lo_end = max(max_len, p + 2)
+        if lo_end > len(ids):
+            return None
+        end = int(torch.randint(lo_end, len(ids) + 1, (1,), generator=generator))
+        start = end - max_len
+        ids, p = ids[start:end], max(p - start, 1)
+    anchors = sample_anchors(p, len(ids) - 2, n_anchors, generator)
+    if not anchors:
+        return None
+    x = torch.tensor(ids, dtype=torch.long)
+    return Packed(x, anchors, block_labels(x, anchors, block_size), ntp_start=p - 1)
+
+
+def weighted_block_loss(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Position-weighted cross-entropy: logits [n, K, V], labels [n, K], weights [K] -> scalar.
+
+    sum_{i,k} w_k CE_ik / sum_{i,k} w_k over the slots that have a label.
+    """
+    n, k, v = logits.shape
+    ce = F.cross_entropy(
+        logits.reshape(n * k, v).float(), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
+    ).view(n, k)
+    w = weights.to(ce.device).unsqueeze(0) * (labels != IGNORE).to(ce.device)
+    return (ce * w).sum() / w.sum().clamp_min(1e-8)
+
+
+@dataclass(frozen=True)
+class PackedOutput:
+    """``block`` logits [n, K, V]; ``clean`` logits [T, V] for positions ntp_start..L-2 or None."""
+
+    block: torch.Tensor
+    clean: torch.Tensor | None
+
+
+def packed_forward(drafter: D3DDrafter, packed: Packed, with_clean: bool) -> PackedOutput:
+    """One forward of clean tokens + blocks; the LM head runs only on rows with a loss."""
+    lm, dev = drafter.lm, drafter.device
+    big_l, b, n = packed.ids.shape[0], drafter.block_size, len(packed.anchors)
+    ids = packed.ids.to(dev)
+    clean_emb = lm.get_input_embeddings()(ids)  # [L, H]
+    blocks = drafter.block_embeds(ids[packed.anchors])  # [n, B, H]
+    embeds = torch.cat([clean_emb, blocks.reshape(n * b, -1).to(clean_emb.dtype)]).unsqueeze(0)
+    mask = masks.packed_block_mask(big_l, packed.anchors, b, device=dev)
+    mask = masks.to_model_mask(mask, lm.config._attn_implementation, embeds.dtype)
+    pos = masks.packed_block_positions(big_l, packed.anchors, b, device=dev)
+    h = lm.model(inputs_embeds=embeds, position_ids=pos, attention_mask=mask).last_hidden_state[0]
+    head = lm.get_output_embeddings()
+    block_logits = head(h[big_l:].view(n, b, -1)[:, : b - 1])
+    clean = head(h[packed.ntp_start : big_l - 1]) if with_clean else None
+    return PackedOutput(block_logits, clean)
+
+
+def drafter_loss(drafter: D3DDrafter, packed: Packed, cfg: LossConfig) -> LossParts:
+    """L = L_block + ntp_weight * L_ntp for one packed sequence."""
+    out = packed_forward(drafter, packed, with_clean=cfg.ntp_weight > 0)
+    w = position_weights(drafter.block_size, cfg.gamma)
+    block = weighted_block_loss(out.block, packed.block_labels.to(out.block.device), w)
+    total, ntp_value = block, math.nan
+    if out.clean is not None:
+        labels = packed.ids[packed.ntp_start + 1 :].to(out.clean.device)
+        ntp = F.cross_entropy(out.clean.float(), labels)
+        total = block + cfg.ntp_weight * ntp
+        ntp_value = float(ntp.detach())
+    return LossParts(total=total, block=float(block.detach()), ntp=ntp_value)
