@@ -149,7 +149,14 @@ class D3DDrafter(nn.Module):
         """Write ``drafter.json`` and ``drafter.safetensors`` (shared tensors left out)."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state, seen = {}, set()
+        for k, v in self.state_dict().items():
+            # A tied LM head aliases the input embeddings: store the matrix once; loading
+            # re-ties it from the config (tie_word_embeddings).
+            key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+            if key not in seen:
+                seen.add(key)
+                state[k] = v.detach().contiguous().cpu()
         if self.meta.shared_embeddings:
             state = {
                 k: v
@@ -193,12 +200,14 @@ class D3DDrafter(nn.Module):
             drafter.share_embeddings(target)
         state = load_file(str(src / WEIGHTS_FILE))
         missing, unexpected = drafter.load_state_dict(state, strict=False)
+        tied = getattr(cfg, "tie_word_embeddings", False) and not meta.shared_embeddings
         missing = [
             k
             for k in missing
             if not (
                 meta.shared_embeddings and k.startswith(tuple("lm." + p for p in SHARED_PREFIXES))
             )
+            and not (tied and k == "lm.lm_head.weight")
         ]
         if missing or unexpected:
             raise DrafterError(

@@ -99,11 +99,6 @@ def init_drafter(spec: str, target, device: str | torch.device | None = None) ->
             f"{spec}: vocabulary {vocab} differs from the target's {target.vocab_size}; "
             "a drafter must share the target's tokenizer"
         )
-    if lm.get_output_embeddings().weight is lm.get_input_embeddings().weight:
-        # Checkpoints store tensors once; give the (frozen) head its own copy of the tied matrix.
-        head = lm.get_output_embeddings()
-        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        lm.config.tie_word_embeddings = False
     n = int(lm.config.num_hidden_layers)
     meta = DrafterMeta(
         base=spec[3:], layers=tuple(range(n)), shared_embeddings=False, vocab_size=vocab

@@ -108,3 +108,22 @@ def test_missing_devices_fail_fast():
         check_device("tpu")
     with pytest.raises(ModelLoadError):
         Engine.from_config(ModelConfig(target_device="tpu"))
+
+
+def test_a_drafter_with_its_own_tied_embeddings_round_trips(tmp_path):
+    """A drafter from another model (not sharing the target's tensors) stores a tied head once."""
+    from d3d.drafter import DrafterMeta
+
+    target = tiny_model("llama", seed=2)
+    lm = tiny_model("llama", seed=9)  # tie_word_embeddings=True
+    assert lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    meta = DrafterMeta(base="other", layers=(0, 1), shared_embeddings=False, vocab_size=101)
+    drafter = D3DDrafter(lm, meta)
+    drafter.save(tmp_path / "own")
+    loaded = D3DDrafter.load(tmp_path / "own", target)
+    assert loaded.lm.get_output_embeddings().weight is loaded.lm.get_input_embeddings().weight
+    torch.testing.assert_close(
+        loaded.lm.get_input_embeddings().weight, lm.get_input_embeddings().weight
+    )
+    ids = [5, 6, 7, 8]
+    assert torch.equal(loaded.session().draft(ids).tokens, drafter.session().draft(ids).tokens)
