@@ -167,7 +167,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="d3d", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="d3d",
+        description="D3D: lossless speculative decoding and prompt compression with a block drafter.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:

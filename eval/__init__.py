@@ -1,0 +1,1 @@
+"""Evaluation harnesses (LongBench score versus latency over keep ratios)."""
