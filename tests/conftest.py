@@ -21,7 +21,7 @@ TINY_VOCAB = 101
 torch.set_num_threads(1)
 
 
-def tiny_config(kind: str, vocab: int = TINY_VOCAB, layers: int = 2):
+def tiny_config(kind: str, vocab: int = TINY_VOCAB, layers: int = 2, tie: bool | None = None):
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
@@ -35,19 +35,24 @@ def tiny_config(kind: str, vocab: int = TINY_VOCAB, layers: int = 2):
         pad_token_id=0,
     )
     if kind == "llama":
-        return LlamaConfig(**common, tie_word_embeddings=True)
+        return LlamaConfig(**common, tie_word_embeddings=True if tie is None else tie)
     if kind == "qwen3":
-        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=bool(tie))
     raise ValueError(kind)
 
 
 def tiny_model(
-    kind: str, seed: int = 0, vocab: int = TINY_VOCAB, layers: int = 2, scale: float = 1.0
+    kind: str,
+    seed: int = 0,
+    vocab: int = TINY_VOCAB,
+    layers: int = 2,
+    scale: float = 1.0,
+    tie: bool | None = None,
 ):
     """A random-weight causal LM; ``scale`` multiplies the weights to sharpen its distributions."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
-        tiny_config(kind, vocab, layers), attn_implementation="sdpa"
+        tiny_config(kind, vocab, layers, tie), attn_implementation="sdpa"
     )
     if scale != 1.0:
         with torch.no_grad():

@@ -16,14 +16,6 @@ from d3d.training.train import TrainConfig
 V = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(params=["llama", "qwen3"])
 def target(request):
     common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

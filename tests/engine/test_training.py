@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
+from transformers import DynamicCache
 
 from d3d.config import DecodeConfig
 from d3d.decode import ArProposer, DecodeStats, SyncProposer, decode
@@ -14,35 +14,13 @@ from d3d.drafter import D3DDrafter, DraftSession
 from d3d.training.accept import block_predictions, offline_acceptance
 from d3d.training.objectives import LossConfig, Packed, block_labels, packed_forward
 from d3d.training.train import TrainConfig, train
+from tests.conftest import tiny_model
 
 V = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models are bound by per-op overhead; extra threads only thrash on a shared CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny(kind: str = "llama", layers: int = 3):
-    common = dict(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    cfg = LlamaConfig(**common) if kind == "llama" else Qwen3Config(head_dim=16, **common)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    model.requires_grad_(False)
-    return model
+    return tiny_model(kind, seed=0, vocab=V, layers=layers, tie=True)
 
 
 @pytest.fixture(params=["llama", "qwen3"])
