@@ -1,0 +1,207 @@
+"""The sweep: items x keep ratios x scorers x decode modes, timed per stage, resumable.
+
+Every run of one item under one setting appends one JSON line to ``records.jsonl``:
+the prediction, its score, the token counts, and the seconds spent compressing (scoring and
+selection), in the target's prefill and in decoding, plus ``total_s`` = the three together
+(end to end, tokenisation excluded; the same for every setting). Keep ratio 1.0 is the full
+prompt, run once per item and mode under the scorer name ``full``.
+
+Order: for each item, the full prompt and then every scorer at the smallest keep ratio; then the
+remaining keep ratios, item by item. So a partial run already pairs every item's full prompt with
+the most compressed one. Each scorer reads an item once; its time is charged to every keep ratio
+it serves (the same work would be done per request). A restarted run skips the lines already in
+the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from compression.compressor import CompressionConfig, Compressor, ContextScores, make_scorer
+from compression.prompt import PromptParts
+from d3d.config import DecodeConfig
+from d3d.engine import Engine
+from eval.longbench import metrics
+from eval.longbench.data import Item, max_new_tokens
+from eval.longbench.prompts import item_parts, window_budget
+
+log = logging.getLogger(__name__)
+
+FULL = "full"
+RECORDS = "records.jsonl"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What to run; ``compression`` carries the scorer settings (its scorer/keep are ignored)."""
+
+    keep_ratios: tuple[float, ...] = (1.0, 0.5, 0.2, 0.1)
+    scorers: tuple[str, ...] = ("drafter-attention", "head-tail", "random", "bm25", "drafter-ppl")
+    modes: tuple[str, ...] = ("ar",)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.keep_ratios or any(not 0 < k <= 1 for k in self.keep_ratios):
+            raise ValueError(f"keep ratios must be in (0, 1], got {self.keep_ratios}")
+        if not self.scorers or not self.modes:
+            raise ValueError("a sweep needs at least one scorer and one mode")
+        for s in self.scorers:
+            CompressionConfig(scorer=s)
+
+
+def record_key(item_id: str, scorer: str, keep: float, mode: str) -> str:
+    return f"{item_id}|{scorer}|{keep:g}|{mode}"
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("skipping a torn line in %s", path)
+    return out
+
+
+def item_metric(item: Item) -> metrics.Metric:
+    return getattr(metrics, item.metric) if item.metric else metrics.metric_for(item.dataset)
+
+
+def schedule(cfg: SweepConfig) -> list[list[float]]:
+    """Keep-ratio passes: [1.0 and the smallest], then the others from small to large."""
+    ratios = sorted({k for k in cfg.keep_ratios if k < 1.0})
+    first = ([1.0] if 1.0 in cfg.keep_ratios else []) + ratios[:1]
+    return [p for p in [first, *[[k] for k in ratios[1:]]] if p]
+
+
+class Sweep:
+    """Runs a :class:`SweepConfig` over items with one engine, appending to ``out/records.jsonl``."""
+
+    def __init__(self, engine: Engine, cfg: SweepConfig, out: Path):
+        self.engine = engine
+        self.cfg = cfg
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / RECORDS
+        self.done = {
+            record_key(r["item"], r["scorer"], r["keep_ratio"], r["mode"])
+            for r in read_records(self.path)
+        }
+        tok = engine.tokenizer
+        self.compressors = {
+            name: Compressor(
+                make_scorer(
+                    _with_scorer(cfg.compression, name), tok, engine.drafter, engine.target.model
+                ),
+                _with_scorer(cfg.compression, name),
+                tok,
+            )
+            for name in cfg.scorers
+        }
+        self._scores: dict[tuple[str, str], ContextScores] = {}
+
+    def window(self) -> int:
+        return int(getattr(self.engine.target.model.config, "max_position_embeddings", 8192))
+
+    def parts(self, item: Item) -> PromptParts:
+        limit = window_budget(self.window(), item)
+        if self.cfg.max_length:
+            limit = min(limit, self.cfg.max_length)
+        return item_parts(item, self.engine.tokenizer, limit)
+
+    def tasks(self, items: Sequence[Item]) -> Iterator[tuple[Item, str, float, str]]:
+        for ratios in schedule(self.cfg):
+            for item in items:
+                for keep in ratios:
+                    for mode in self.cfg.modes:
+                        for scorer in [FULL] if keep == 1.0 else self.cfg.scorers:
+                            if record_key(item.id, scorer, keep, mode) not in self.done:
+                                yield item, scorer, keep, mode
+
+    def run(self, items: Sequence[Item], progress: Callable | None = None) -> int:
+        """Run everything not yet in the records file; returns the number of new records."""
+        todo = list(self.tasks(items))
+        bar = progress(total=len(todo)) if progress else None
+        parts_cache: dict[str, PromptParts] = {}
+        n = 0
+        for item, scorer, keep, mode in todo:
+            if item.id not in parts_cache:
+                parts_cache = {item.id: self.parts(item)}
+            rec = self.run_one(item, parts_cache[item.id], scorer, keep, mode)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+            self.done.add(record_key(item.id, scorer, keep, mode))
+            n += 1
+            if bar is not None:
+                bar.set_postfix_str(f"{item.dataset} {scorer} {keep:g} {rec['total_s']:.1f}s")
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return n
+
+    def scores(self, item: Item, parts: PromptParts, scorer: str) -> ContextScores:
+        key = (item.id, scorer)
+        if key not in self._scores:
+            self._scores = {k: v for k, v in self._scores.items() if k[0] == item.id}
+            self._scores[key] = self.compressors[scorer].score(parts)
+        return self._scores[key]
+
+    def run_one(self, item: Item, parts: PromptParts, scorer: str, keep: float, mode: str) -> dict:
+        tok = self.engine.tokenizer
+        if scorer == FULL:
+            kept, compress_s, kept_idx = parts, 0.0, range(len(parts.context))
+        else:
+            comp = self.compressors[scorer].select(parts, self.scores(item, parts, scorer), keep)
+            kept, compress_s, kept_idx = comp.parts, comp.seconds, comp.kept
+        dcfg = DecodeConfig(mode=mode, max_new_tokens=max_new_tokens(item))
+        t0 = time.perf_counter()
+        gen = self.engine.generate_ids(kept.ids, dcfg)
+        wall = time.perf_counter() - t0
+        st = gen.stats
+        score = metrics.score_item(
+            item.dataset, gen.text, item.answers, item.all_classes, item_metric(item)
+        )
+        kept_text = tok.decode(kept.context) if len(kept_idx) < len(parts.context) else None
+        return {
+            "item": item.id,
+            "dataset": item.dataset,
+            "scorer": scorer,
+            "keep_ratio": keep,
+            "mode": mode,
+            "score": score,
+            "prediction": gen.text,
+            "answers": list(item.answers),
+            "total_tokens": len(parts),
+            "kept_tokens": len(kept),
+            "new_tokens": len(gen.token_ids),
+            "compress_s": round(compress_s, 4),
+            "prefill_s": round(st.prefill_seconds, 4),
+            "decode_s": round(st.decode_seconds, 4),
+            "total_s": round(compress_s + st.prefill_seconds + st.decode_seconds, 4),
+            "generate_wall_s": round(wall, 4),
+            "evidence_kept": evidence_kept(item, kept_text),
+            "speculative": st.to_dict(),
+        }
+
+
+def evidence_kept(item: Item, kept_text: str | None) -> bool | None:
+    """Whether the kept context still holds the needle, or a gold answer string (None: no cut)."""
+    if kept_text is None:
+        return None
+    if "needle" in item.meta:
+        return item.meta["needle"] in kept_text
+    low = kept_text.lower()
+    return any(a.lower() in low for a in item.answers if a.strip())
+
+
+def _with_scorer(cfg: CompressionConfig, name: str) -> CompressionConfig:
+    return replace(cfg, scorer=name)

@@ -1,0 +1,187 @@
+"""Each scorer on tiny random-weight Llama / Qwen3 models (built from configs in milliseconds).
+
+The drafter-attention scorer reads the prompt in two passes (sdpa prefill, then eager attention
+for the final tokens over the cache); it must give exactly the attention weights of one eager
+forward over the whole sequence with the same mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from compression.compressor import CompressionConfig, Compressor, make_scorer
+from compression.drafter_scorers import (
+    AttentionScoring,
+    DrafterAttentionScorer,
+    DrafterPerplexityScorer,
+    windows,
+)
+from compression.prompt import PromptParts
+from d3d import masks
+from d3d.drafter import D3DDrafter
+
+VOCAB = 101
+
+
+def tiny_model(kind: str = "llama", layers: int = 3, window: int = 512):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=window,
+    )
+    cfg = LlamaConfig(**common) if kind == "llama" else Qwen3Config(head_dim=16, **common)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def sample_parts(n_ctx: int = 50) -> PromptParts:
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(3, VOCAB, (n_ctx,), generator=g).tolist()
+    return PromptParts((1, 2, 3), tuple(ctx), (70, 71, 72, 73))
+
+
+def reference_attention(scorer: DrafterAttentionScorer, parts: PromptParts, lookahead: bool):
+    """One eager forward over prefix + context + final tokens: [L, heads, Q, C]."""
+    ref = D3DDrafter.from_target(scorer.model.lm, scorer.cfg.layers)
+    ref.lm.set_attn_implementation("eager")
+    ids = torch.tensor([parts.ids])
+    emb = ref.lm.get_input_embeddings()(ids)
+    n = emb.shape[1]
+    mask = masks.causal_mask(0, n).clone()
+    if lookahead:
+        block = scorer.model.block_embeds(torch.tensor([parts.suffix[-1]]))
+        emb = torch.cat([emb[:, :-1], block], 1)
+        n = emb.shape[1]
+        mask = masks.causal_mask(0, n).clone()
+        mask[..., n - block.shape[1] :, :] = True
+    with torch.no_grad():
+        out = ref.lm.model(
+            inputs_embeds=emb,
+            attention_mask=masks.to_model_mask(mask, "eager", emb.dtype),
+            position_ids=torch.arange(n)[None],
+            output_attentions=True,
+        )
+    q = n - len(parts.prefix) - len(parts.context)
+    p, s = len(parts.prefix), len(parts.prefix) + len(parts.context)
+    return torch.stack([a[0, :, -q:, p:s] for a in out.attentions])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_attention_matches_one_eager_forward(kind, lookahead):
+    model = tiny_model(kind)
+    scorer = DrafterAttentionScorer(model, AttentionScoring(layers=2, lookahead=lookahead))
+    parts = sample_parts()
+    got = scorer.attention(parts)
+    want = reference_attention(scorer, parts, lookahead)
+    q = len(parts.suffix) - 1 + 16 if lookahead else len(parts.suffix)
+    assert got.shape == (2, 4, q, 50)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # the reader is back on sdpa after the eager query pass
+    assert scorer.model.lm.config._attn_implementation == "sdpa"
+
+
+def test_scores_reduce_over_layers_heads_queries_and_heads_option():
+    model = tiny_model()
+    parts = sample_parts()
+    base = DrafterAttentionScorer(model, AttentionScoring(layers=2, lookahead=False))
+    a = base.attention(parts)
+    torch.testing.assert_close(base.score(parts), a.amax(0).amax(0).mean(0))
+    picked = DrafterAttentionScorer(
+        model, AttentionScoring(layers=2, lookahead=False, heads=((1, 2), (0, 1)))
+    )
+    want = torch.maximum(a[1, 2].mean(0), a[0, 1].mean(0))
+    torch.testing.assert_close(picked.score(parts), want)
+    with pytest.raises(ValueError):
+        AttentionScoring(layers=2, heads=((2, 0),))
+    with pytest.raises(ValueError):
+        DrafterAttentionScorer(model, AttentionScoring(layers=5))
+
+
+def test_long_context_is_scored_in_windows():
+    model = tiny_model(window=512)
+    parts = sample_parts(300)
+    cfg = AttentionScoring(layers=2, lookahead=False, window=128)
+    scorer = DrafterAttentionScorer(model, cfg)
+    size = 128 - len(parts.prefix) - len(parts.suffix)
+    spans = windows(300, size)
+    assert spans[0] == (0, size) and spans[-1][1] == 300
+    scores = scorer.score(parts)
+    assert scores.shape == (300,)
+    s0, e0 = spans[1]
+    alone = scorer.reduce(scorer.attention(parts, s0, e0))
+    torch.testing.assert_close(scores[s0:e0], alone)
+
+
+def test_quantized_reader_runs_and_stays_close():
+    model = tiny_model()
+    parts = sample_parts()
+    fp = DrafterAttentionScorer(model, AttentionScoring(layers=2, lookahead=False)).score(parts)
+    q8 = DrafterAttentionScorer(
+        model, AttentionScoring(layers=2, lookahead=False, quantize=True)
+    ).score(parts)
+    assert q8.shape == fp.shape and torch.isfinite(q8).all()
+    assert torch.corrcoef(torch.stack([fp, q8]))[0, 1] > 0.9
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_perplexity_scorer_is_self_information(kind):
+    model = tiny_model(kind)
+    parts = sample_parts()
+    scorer = DrafterPerplexityScorer(model, layers=2)
+    scorer.head_rows = 7  # exercise the chunked LM head
+    got = scorer.score(parts)
+    ref = D3DDrafter.from_target(model, 2).lm
+    ids = torch.tensor([parts.prefix + parts.context])
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(input_ids=ids).logits[0].float(), -1)
+    p = len(parts.prefix)
+    want = -logp[p - 1 : p - 1 + 50].gather(1, ids[0, p : p + 50, None])[:, 0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_make_scorer_readers_and_errors():
+    target = tiny_model(layers=3)
+    drafter = D3DDrafter.from_target(target, 1)
+    cfg = CompressionConfig(attention=AttentionScoring(layers=2, reader="target"))
+    scorer = make_scorer(cfg, drafter=drafter, target=target)
+    assert len(scorer.model.lm.model.layers) == 2  # the target's layers, not the drafter's one
+    torch.testing.assert_close(scorer.model.mask_embedding, drafter.mask_embedding)
+    with pytest.raises(ValueError):
+        make_scorer(CompressionConfig(attention=AttentionScoring(layers=2)), drafter=drafter)
+    with pytest.raises(ValueError):
+        make_scorer(CompressionConfig(scorer="drafter-ppl"))
+    with pytest.raises(ValueError):
+        make_scorer(CompressionConfig(scorer="bm25"))
+
+
+@pytest.mark.parametrize("name", ["drafter-attention", "drafter-ppl"])
+def test_compressor_with_drafter_scorers_keeps_budget_and_order(name):
+    target = tiny_model()
+    drafter = D3DDrafter.from_target(target, 2)
+    cfg = CompressionConfig(
+        scorer=name, chunk_size=8, attention=AttentionScoring(layers=2, lookahead=True)
+    )
+    comp = Compressor.build(cfg, drafter=drafter, target=target)
+    parts = sample_parts(100)
+    out = comp.compress(parts, 0.25)
+    assert len(out.kept) == 25 and list(out.kept) == sorted(out.kept)
+    assert out.parts.prefix == parts.prefix and out.parts.suffix == parts.suffix
+    assert out.parts.context == tuple(parts.context[i] for i in out.kept)
+    assert out.seconds > 0
+
+
+def test_calibration_rank_fraction():
+    from eval.longbench.calibrate import rank_fraction
+
+    scores = torch.zeros(128)
+    scores[70] = 1.0  # evidence in chunk 2 of 4 scores highest
+    assert rank_fraction(scores, (64, 80)) == 0.0
+    scores[5] = 10.0  # now chunk 0 beats it
+    assert rank_fraction(scores, (64, 80)) == 0.25

@@ -1,0 +1,191 @@
+"""Chunking, selection, prompt splitting and the model-free scorers (pure, milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compression.compressor import CompressionConfig, Compressor
+from compression.prompt import PromptParts, build_parts, middle_truncate
+from compression.scorers import BM25Scorer, HeadTailScorer, RandomScorer, bm25, words
+from compression.selection import (
+    Chunk,
+    budget,
+    fixed_chunks,
+    pool,
+    select,
+    sentence_chunks,
+    smooth,
+)
+
+
+class CharTokenizer:
+    """One token per character (id = code point); enough for prompts and scorers in tests."""
+
+    chat_template = None
+    bos_token_id = None
+    eos_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(int(i)) for i in ids if int(i) > 0)
+
+
+class FixedScorer:
+    name = "fixed"
+    token_level = False
+
+    def __init__(self, scores):
+        self.scores = torch.tensor(scores, dtype=torch.float32)
+
+    def score(self, parts):
+        return self.scores
+
+
+def parts_of(n: int, prefix: int = 3, suffix: int = 2) -> PromptParts:
+    return PromptParts(
+        tuple(range(1000, 1000 + prefix)), tuple(range(n)), tuple(range(2000, 2000 + suffix))
+    )
+
+
+def test_budget():
+    assert budget(100, 0.1) == 10
+    assert budget(100, 1.0) == 100
+    assert budget(3, 0.01) == 1
+    assert budget(0, 0.5) == 0
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError):
+            budget(10, bad)
+
+
+def test_fixed_chunks_cover_everything():
+    chunks = fixed_chunks(70, 32)
+    assert chunks == [Chunk(0, 32), Chunk(32, 64), Chunk(64, 70)]
+    assert fixed_chunks(0, 32) == []
+    with pytest.raises(ValueError):
+        fixed_chunks(5, 0)
+
+
+def test_sentence_chunks_split_at_ends_and_cap_length():
+    texts = list("ab. cd? efghijk")
+    chunks = sentence_chunks(texts, max_len=4)
+    assert chunks[0] == Chunk(0, 3)  # "ab."
+    assert chunks[1] == Chunk(3, 7)  # " cd?"
+    assert all(len(c) <= 4 for c in chunks)
+    assert chunks[-1].end == len(texts)
+
+
+def test_smooth_and_pool():
+    x = torch.tensor([0.0, 3.0, 0.0, 0.0])
+    assert torch.allclose(smooth(x, 1), x)
+    assert torch.allclose(smooth(x, 3), torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    chunks = [Chunk(0, 2), Chunk(2, 4)]
+    assert pool(x, chunks).tolist() == [1.5, 0.0]
+    assert pool(x, chunks, "max").tolist() == [3.0, 0.0]
+    with pytest.raises(ValueError):
+        pool(x, chunks, "median")
+
+
+def test_select_keeps_best_chunks_in_order_and_exact_budget():
+    chunks = fixed_chunks(10, 3)  # [0,3) [3,6) [6,9) [9,10)
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.2])
+    kept = select(scores, chunks, 5)
+    assert kept == [3, 4, 5, 6, 7]  # best chunk whole, the next one cut to its head
+    assert kept == sorted(kept)
+    assert select(scores, chunks, 0) == []
+    assert select(scores, chunks, 10) == list(range(10))
+    # NaN ranks last; ties go to the earlier chunk
+    assert select(torch.tensor([float("nan"), 1.0, 1.0, 0.0]), chunks, 3) == [3, 4, 5]
+
+
+def test_compressor_keeps_prefix_and_suffix_and_budget():
+    parts = parts_of(100)
+    scores = [0.0] * 100
+    scores[40:48] = [5.0] * 8
+    comp = Compressor(FixedScorer(scores), CompressionConfig(scorer="random", chunk_size=8))
+    out = comp.compress(parts, 0.08)
+    assert out.parts.prefix == parts.prefix and out.parts.suffix == parts.suffix
+    assert out.kept == tuple(range(40, 48))
+    assert out.parts.context == tuple(range(40, 48))
+    assert out.kept_tokens == 3 + 8 + 2 and out.total_tokens == 105
+    d = out.to_dict()
+    assert d["kept_context_tokens"] == 8 and d["keep_ratio"] == 0.08
+    # keep 1.0 returns the prompt unchanged without scoring
+    full = comp.compress(parts, 1.0)
+    assert full.parts == parts and full.seconds == 0.0
+
+
+def test_compressor_checks_scorer_shape():
+    comp = Compressor(FixedScorer([1.0, 2.0]), CompressionConfig(scorer="random"))
+    with pytest.raises(RuntimeError):
+        comp.compress(parts_of(10), 0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"scorer": "nope"},
+        {"keep_ratio": 0.0},
+        {"keep_ratio": 1.2},
+        {"chunk_size": 0},
+        {"granularity": "page"},
+        {"pooling": "median"},
+    ],
+)
+def test_compression_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        CompressionConfig(**kwargs)
+
+
+def test_head_tail_matches_longbench_truncation():
+    parts = parts_of(20)
+    comp = Compressor(HeadTailScorer(), CompressionConfig(scorer="head-tail", chunk_size=4))
+    out = comp.compress(parts, 0.3)  # 6 tokens: first 3 and last 3
+    assert out.kept == (0, 1, 2, 17, 18, 19)
+
+
+def test_random_scorer_is_seeded_and_chunkwise():
+    parts = parts_of(64)
+    a, b = RandomScorer(1, 8).score(parts), RandomScorer(1, 8).score(parts)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, RandomScorer(2, 8).score(parts))
+    assert torch.all(a[:8] == a[0])
+
+
+def test_bm25_prefers_the_chunk_with_question_words():
+    assert words("The Cat and the HAT") == ["cat", "hat"]
+    s = bm25(["paprika"], [["soup", "water"], ["paprika", "soup"], ["bread"]])
+    assert s[1] > 0 and s[0] == 0 and s[2] == 0
+    tok = CharTokenizer()
+    context = "x" * 16 + "secret paprika!!" + "y" * 16
+    parts = PromptParts((), tuple(tok(context)["input_ids"]), tuple(tok("paprika?")["input_ids"]))
+    scores = BM25Scorer(tok, chunk_size=16).score(parts)
+    assert scores.shape == (48,)
+    assert scores[16:32].min() > scores[:16].max()
+
+
+def test_build_parts_splits_template_at_context():
+    tok = CharTokenizer()
+    parts = build_parts(tok, "Doc: {context}\nQ: {input}", "abc", input="why?")
+    assert tok.decode(parts.prefix) == "Doc: "
+    assert tok.decode(parts.context) == "abc"
+    assert tok.decode(parts.suffix) == "\nQ: why?"
+    with pytest.raises(ValueError):
+        build_parts(tok, "no context here {input}", "abc", input="q")
+
+
+def test_middle_truncate_keeps_first_and_last_halves():
+    parts = parts_of(100, prefix=3, suffix=2)
+    out = middle_truncate(parts, 21)
+    assert len(out) == 21
+    assert out.ids == parts.ids[:10] + parts.ids[-11:]
+    assert middle_truncate(parts, 500) == parts
+    with pytest.raises(ValueError):
+        middle_truncate(parts_of(100, prefix=30), 40)
+
+
+def test_prompt_parts_need_a_question():
+    with pytest.raises(ValueError):
+        PromptParts((1,), (2,), ())
