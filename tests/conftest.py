@@ -21,7 +21,9 @@ TINY_VOCAB = 101
 torch.set_num_threads(1)
 
 
-def tiny_config(kind: str, vocab: int = TINY_VOCAB, layers: int = 2, tie: bool | None = None):
+def tiny_config(
+    kind: str, vocab: int = TINY_VOCAB, layers: int = 2, tie: bool | None = None, window: int = 512
+):
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
@@ -29,7 +31,7 @@ def tiny_config(kind: str, vocab: int = TINY_VOCAB, layers: int = 2, tie: bool |
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=window,
         eos_token_id=vocab - 1,
         bos_token_id=0,
         pad_token_id=0,
@@ -48,11 +50,12 @@ def tiny_model(
     layers: int = 2,
     scale: float = 1.0,
     tie: bool | None = None,
+    window: int = 512,
 ):
     """A random-weight causal LM; ``scale`` multiplies the weights to sharpen its distributions."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
-        tiny_config(kind, vocab, layers, tie), attn_implementation="sdpa"
+        tiny_config(kind, vocab, layers, tie, window), attn_implementation="sdpa"
     )
     if scale != 1.0:
         with torch.no_grad():

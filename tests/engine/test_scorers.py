@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from compression.compressor import CompressionConfig, Compressor, make_scorer
 from compression.drafter_scorers import (
@@ -21,23 +20,13 @@ from compression.drafter_scorers import (
 from compression.prompt import PromptParts
 from d3d import masks
 from d3d.drafter import D3DDrafter
+from tests.conftest import tiny_model as shared_tiny_model
 
 VOCAB = 101
 
 
 def tiny_model(kind: str = "llama", layers: int = 3, window: int = 512):
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=window,
-    )
-    cfg = LlamaConfig(**common) if kind == "llama" else Qwen3Config(head_dim=16, **common)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    return shared_tiny_model(kind, seed=0, vocab=VOCAB, layers=layers, tie=False, window=window)
 
 
 def sample_parts(n_ctx: int = 50) -> PromptParts:
