@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 META_FILE = "drafter.json"
 WEIGHTS_FILE = "drafter.safetensors"
-SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
+# State-dict keys of the tensors a drafter borrows from its target (embeddings, LM head).
+SHARED_KEYS = ("lm.model.embed_tokens.", "lm.lm_head.")
 
 
 class DrafterError(RuntimeError):
@@ -151,18 +152,14 @@ class D3DDrafter(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         state, seen = {}, set()
         for k, v in self.state_dict().items():
+            if self.meta.shared_embeddings and k.startswith(SHARED_KEYS):
+                continue  # the target's tensors: never copied, never stored
             # A tied LM head aliases the input embeddings: store the matrix once; loading
             # re-ties it from the config (tie_word_embeddings).
             key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
             if key not in seen:
                 seen.add(key)
                 state[k] = v.detach().contiguous().cpu()
-        if self.meta.shared_embeddings:
-            state = {
-                k: v
-                for k, v in state.items()
-                if not k.startswith(tuple("lm." + p for p in SHARED_PREFIXES))
-            }
         save_file(state, str(out / WEIGHTS_FILE))
         meta = asdict(self.meta)
         meta["layers"] = list(self.meta.layers)
@@ -204,9 +201,7 @@ class D3DDrafter(nn.Module):
         missing = [
             k
             for k in missing
-            if not (
-                meta.shared_embeddings and k.startswith(tuple("lm." + p for p in SHARED_PREFIXES))
-            )
+            if not (meta.shared_embeddings and k.startswith(SHARED_KEYS))
             and not (tied and k == "lm.lm_head.weight")
         ]
         if missing or unexpected:
