@@ -97,7 +97,7 @@ def run_micro(
     jobs = {
         "step": lambda: target_forward(step),
         "verify": lambda: target_forward(block),
-        "draft": lambda: drafter.block_logits(int(ids[0, -1]), d_cache),
+        "draft": lambda: drafter.block_scores(int(ids[0, -1]), d_cache),
     }
     for fn in jobs.values():  # warm-up
         fn()

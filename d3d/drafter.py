@@ -14,13 +14,20 @@ Design:
   KV is dropped afterwards, since it is not a valid prefix.
 - Slot j's output predicts the token at block position j+1 (the pretrained next-token
   convention), so slots 0..B-2 give the drafts d_1..d_{B-1} and their distributions q.
+- Optional *draft vocabulary* (``meta.draft_vocab`` > 0): the drafter scores only the V_d target
+  tokens it was trained to propose (the most frequent ones in the target's own responses), using
+  those rows of the shared LM head. Its cost is B x H x V_d instead of B x H x V, and q is zero
+  outside it, which both acceptance rules handle exactly (the target's residual covers the
+  rest). The checkpoint stores the V_d token ids; the head rows always come from the target.
 
-Letters: S cached length, B block size, K = B - 1 draft length, V vocab, H hidden.
+Letters: S cached length, B block size, K = B - 1 draft length, V vocab, V_d draft vocabulary,
+H hidden.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -28,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -43,6 +51,8 @@ META_FILE = "drafter.json"
 WEIGHTS_FILE = "drafter.safetensors"
 # State-dict keys of the tensors a drafter borrows from its target (embeddings, LM head).
 SHARED_KEYS = ("lm.model.embed_tokens.", "lm.lm_head.")
+DRAFT_IDS_KEY = "draft_ids"
+IGNORE_LABEL = -100
 
 
 class DrafterError(RuntimeError):
@@ -58,6 +68,7 @@ class DrafterMeta:
     block_size: int = DEFAULT_BLOCK_SIZE
     shared_embeddings: bool = True
     vocab_size: int = 0
+    draft_vocab: int = 0  # 0: the whole vocabulary
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +119,10 @@ class D3DDrafter(nn.Module):
         emb = lm.get_input_embeddings().weight
         init = emb.detach().float().mean(0) if mask_embedding is None else mask_embedding
         self.mask_embedding = nn.Parameter(init.to(device=emb.device, dtype=emb.dtype).clone())
+        self.register_buffer(DRAFT_IDS_KEY, None)
+        self.register_buffer("draft_head", None, persistent=False)
+        if meta.draft_vocab:  # placeholder ids, filled by load_state_dict
+            self.set_draft_vocab(torch.arange(meta.draft_vocab))
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -145,6 +160,8 @@ class D3DDrafter(nn.Module):
         """Use the target's input embeddings and LM head (tied or not) as the drafter's own."""
         self.lm.set_input_embeddings(target.get_input_embeddings())
         self.lm.set_output_embeddings(target.get_output_embeddings())
+        if self.draft_ids is not None:
+            self.set_draft_vocab(self.draft_ids)  # head rows from the new LM head
 
     def save(self, path: str | Path) -> Path:
         """Write ``drafter.json`` and ``drafter.safetensors`` (shared tensors left out)."""
@@ -208,9 +225,66 @@ class D3DDrafter(nn.Module):
             raise DrafterError(
                 f"checkpoint {src} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
+        if meta.draft_vocab:
+            drafter.set_draft_vocab(drafter.draft_ids)  # head rows for the loaded ids
         drafter.to(device or target.device, dtype=target.dtype)
         drafter.eval()
         return drafter
+
+    # ----- draft vocabulary ---------------------------------------------------------------
+    def set_draft_vocab(self, ids: torch.Tensor | Sequence[int] | None) -> None:
+        """Restrict drafting to the target token ``ids`` (None: the whole vocabulary).
+
+        The ids are a persistent buffer (saved with the checkpoint); the matching rows of the
+        shared LM head are copied into a non-persistent buffer (frozen, never saved).
+        """
+        if ids is None:
+            self.draft_ids = self.draft_head = None
+            self.meta = dataclasses.replace(self.meta, draft_vocab=0)
+            return
+        out = self.lm.get_output_embeddings()
+        if not isinstance(out, nn.Linear) or out.bias is not None:
+            raise DrafterError("a draft vocabulary needs a plain linear LM head without bias")
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().to(out.weight.device)
+        vocab = out.weight.shape[0]
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise DrafterError(f"draft vocabulary ids must lie in [0, {vocab})")
+        if ids.unique().numel() != ids.numel():
+            raise DrafterError("draft vocabulary ids must be distinct")
+        self.register_buffer(DRAFT_IDS_KEY, ids.clone(), persistent=True)
+        self.register_buffer("draft_head", out.weight.detach()[ids].clone(), persistent=False)
+        self.meta = dataclasses.replace(self.meta, draft_vocab=int(ids.numel()))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-space logits of hidden states: [..., H] -> [..., V_d] (V_d = V without a
+        draft vocabulary)."""
+        if self.draft_head is None:
+            return self.lm.get_output_embeddings()(hidden)
+        return F.linear(hidden, self.draft_head.to(hidden.dtype))
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map draft-space indices to target token ids."""
+        return idx if self.draft_ids is None else self.draft_ids.to(idx.device)[idx]
+
+    def to_draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Map target token ids to draft-space indices; tokens outside it (and ``IGNORE_LABEL``)
+        become ``IGNORE_LABEL``."""
+        if self.draft_ids is None:
+            return labels
+        lookup = torch.full((self.meta.vocab_size or int(self.draft_ids.max()) + 1,), IGNORE_LABEL)
+        lookup[self.draft_ids.cpu()] = torch.arange(self.draft_ids.numel())
+        valid = (labels >= 0) & (labels < lookup.numel())
+        out = torch.full_like(labels, IGNORE_LABEL)
+        out[valid] = lookup.to(labels.device)[labels[valid]]
+        return out
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-space logits [..., V_d] -> target-vocabulary logits [..., V] (-inf outside)."""
+        if self.draft_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.meta.vocab_size), float("-inf"))
+        full[..., self.draft_ids.to(logits.device)] = logits
+        return full
 
     def session(
         self, sampling: SamplingConfig | None = None, generator: torch.Generator | None = None
@@ -244,10 +318,10 @@ class D3DDrafter(nn.Module):
         pos = torch.arange(s, s + x.shape[1], device=self.device).unsqueeze(0)
         self.lm.model(input_ids=x, position_ids=pos, **with_cache(self.lm.model, cache))
 
-    def block_logits(
+    def block_scores(
         self, anchor: int, cache: DynamicCache, pending: Sequence[int] = ()
     ) -> torch.Tensor:
-        """Logits [K, V] of one block ``[anchor, MASK x K]`` after the cached prefix.
+        """Draft-space logits [K, V_d] of one block ``[anchor, MASK x K]`` after the cached prefix.
 
         ``pending`` committed tokens (between the cache and the anchor) are encoded into the
         cache in the same forward, causally, so a round costs one drafter pass; the block's own
@@ -263,15 +337,20 @@ class D3DDrafter(nn.Module):
             self.lm.config._attn_implementation,
             embeds.dtype,
         )
-        out = self.lm(
+        out = self.lm.model(
             inputs_embeds=embeds,
             position_ids=torch.arange(s, s + t + b, device=self.device).unsqueeze(0),
             attention_mask=mask,
-            logits_to_keep=torch.arange(t, t + b - 1, device=self.device),
-            **with_cache(self.lm, cache),
+            **with_cache(self.lm.model, cache),
         )
         trim_cache(cache, b)
-        return out.logits[0]
+        return self.head(out.last_hidden_state[0, t : t + b - 1])
+
+    def block_logits(
+        self, anchor: int, cache: DynamicCache, pending: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """Target-vocabulary logits [K, V] of one block (see :meth:`block_scores`)."""
+        return self.full_logits(self.block_scores(anchor, cache, pending))
 
 
 def _vocab(model: PreTrainedModel) -> int:
@@ -319,10 +398,10 @@ class DraftSession:
             raise ValueError("drafting needs at least one committed token (the anchor)")
         want = [int(t) for t in token_ids[:-1]]
         pending = self._rewind(want)
-        logits = self.drafter.block_logits(int(token_ids[-1]), self.cache, pending)
+        scores = self.drafter.block_scores(int(token_ids[-1]), self.cache, pending)
         self.cached_ids = want
         if self.sampling.greedy:
-            return Draft(tokens=logits.argmax(dim=-1), q=None)
-        q = probabilities(logits, self.sampling)
+            return Draft(tokens=self.drafter.to_target_ids(scores.argmax(dim=-1)), q=None)
+        q = probabilities(self.drafter.full_logits(scores), self.sampling)
         tokens = torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
         return Draft(tokens=tokens, q=q)

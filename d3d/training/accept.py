@@ -85,7 +85,7 @@ def block_predictions(
         ).last_hidden_state
         trim_cache(cache, len(part) * b)
         rows = h[0].view(len(part), b, -1)[:, : b - 1]
-        out.append(lm.get_output_embeddings()(rows).argmax(dim=-1).cpu())
+        out.append(drafter.to_target_ids(drafter.head(rows).argmax(dim=-1)).cpu())
     return torch.cat(out) if out else torch.zeros(0, b - 1, dtype=torch.long)
 
 

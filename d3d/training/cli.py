@@ -97,7 +97,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _train_config(args, args.steps, args.save_every)
     train_recs, val_recs = _records(args)
-    _, drafter = _load(args, args.drafter or DEFAULT_INIT)
+    target, drafter = _load(args, args.drafter or DEFAULT_INIT)
+    if args.draft_vocab is not None:
+        from d3d.training.data import draft_vocabulary
+
+        ids = None
+        if args.draft_vocab > 0:
+            ids = draft_vocabulary(train_recs, args.draft_vocab, target.eos_token_ids)
+        drafter.set_draft_vocab(ids)
     result = train(drafter, train_recs, cfg, args.out, val_recs, resume=not args.no_resume)
     print(
         json.dumps(
@@ -205,6 +212,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run folder (checkpoints, log.jsonl, final/)")
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--no-resume", action="store_true", help="ignore OUT/last")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="restrict drafting to the N tokens most frequent in the training responses "
+        "(0: whole vocabulary; default: keep the initial drafter's; a resumed run keeps its own)",
+    )
     _train_flags(p, steps=300)
     add_model_args(p)
     p.set_defaults(func=cmd_train)

@@ -300,6 +300,24 @@ def validation_split(records: Sequence[dict], n: int) -> tuple[list[dict], list[
     ]
 
 
+def draft_vocabulary(records: Sequence[dict], size: int, always: Sequence[int] = ()) -> list[int]:
+    """The ``size`` target tokens most frequent in the records' responses (ties by id), plus
+    ``always`` (e.g. end-of-sequence ids); sorted. A drafter restricted to them only proposes
+    what the target actually says (see :meth:`d3d.drafter.D3DDrafter.set_draft_vocab`)."""
+    if size < 1:
+        raise ValueError(f"draft vocabulary size must be >= 1, got {size}")
+    counts: dict[int, int] = {}
+    for r in records:
+        for t in r["response_ids"]:
+            counts[int(t)] = counts.get(int(t), 0) + 1
+    keep = {int(t) for t in always}
+    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(keep) >= size:
+            break
+        keep.add(t)
+    return sorted(keep)
+
+
 def write_heldout_prompts(data_path: str | Path, out_path: str | Path) -> int:
     """Write the held-out prompts of a data file as jsonl (``id``, ``source``, ``prompt``), the
     sources interleaved — the default prompt set of ``d3d drafter-eval``. Returns how many."""

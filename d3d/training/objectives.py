@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from d3d import masks
-from d3d.drafter import D3DDrafter
+from d3d.drafter import IGNORE_LABEL, D3DDrafter
 
-IGNORE = -100
+IGNORE = IGNORE_LABEL
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,8 @@ def packed_forward(drafter: D3DDrafter, packed: Packed, with_clean: bool) -> Pac
     mask = masks.to_model_mask(mask, lm.config._attn_implementation, embeds.dtype)
     pos = masks.packed_block_positions(big_l, packed.anchors, b, device=dev)
     h = lm.model(inputs_embeds=embeds, position_ids=pos, attention_mask=mask).last_hidden_state[0]
-    head = lm.get_output_embeddings()
-    block_logits = head(h[big_l:].view(n, b, -1)[:, : b - 1])
-    clean = head(h[packed.ntp_start : big_l - 1]) if with_clean else None
+    block_logits = drafter.head(h[big_l:].view(n, b, -1)[:, : b - 1])
+    clean = drafter.head(h[packed.ntp_start : big_l - 1]) if with_clean else None
     return PackedOutput(block_logits, clean)
 
 
@@ -179,11 +178,12 @@ def drafter_loss(drafter: D3DDrafter, packed: Packed, cfg: LossConfig) -> LossPa
     """L = L_block + ntp_weight * L_ntp for one packed sequence."""
     out = packed_forward(drafter, packed, with_clean=cfg.ntp_weight > 0)
     w = position_weights(drafter.block_size, cfg.gamma)
-    block = weighted_block_loss(out.block, packed.block_labels.to(out.block.device), w)
+    labels = drafter.to_draft_labels(packed.block_labels).to(out.block.device)
+    block = weighted_block_loss(out.block, labels, w)
     total, ntp_value = block, math.nan
-    if out.clean is not None:
-        labels = packed.ids[packed.ntp_start + 1 :].to(out.clean.device)
-        ntp = F.cross_entropy(out.clean.float(), labels)
+    labels = drafter.to_draft_labels(packed.ids[packed.ntp_start + 1 :])
+    if out.clean is not None and bool((labels != IGNORE).any()):
+        ntp = F.cross_entropy(out.clean.float(), labels.to(out.clean.device), ignore_index=IGNORE)
         total = block + cfg.ntp_weight * ntp
         ntp_value = float(ntp.detach())
     return LossParts(total=total, block=float(block.detach()), ntp=ntp_value)

@@ -95,6 +95,8 @@ def drop_layers(drafter: D3DDrafter, keep: Sequence[int]) -> D3DDrafter:
     meta_d["layers"] = tuple(drafter.meta.layers[i] for i in keep)
     out = D3DDrafter(lm, DrafterMeta(**meta_d), drafter.mask_embedding.detach().clone())
     out.share_embeddings(drafter.lm)
+    if drafter.draft_ids is not None:
+        out.set_draft_vocab(drafter.draft_ids)
     out.to(drafter.device)
     out.eval()
     return out
@@ -117,7 +119,7 @@ def time_drafter_block(drafter: D3DDrafter, context: int, repeats: int) -> float
     g = torch.Generator().manual_seed(0)
     vocab = drafter.lm.get_input_embeddings().num_embeddings
     drafter.encode(torch.randint(0, vocab, (context,), generator=g).tolist(), cache)
-    return _median_ms(lambda: drafter.block_logits(5, cache), repeats)
+    return _median_ms(lambda: drafter.block_scores(5, cache), repeats)
 
 
 @torch.inference_mode()
