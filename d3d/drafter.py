@@ -152,7 +152,7 @@ class D3DDrafter(nn.Module):
         )
         drafter = cls(lm, meta)
         drafter.share_embeddings(target)
-        drafter.to(device or target.device)
+        drafter.place(device or target.device)
         drafter.eval()
         return drafter
 
@@ -162,6 +162,24 @@ class D3DDrafter(nn.Module):
         self.lm.set_output_embeddings(target.get_output_embeddings())
         if self.draft_ids is not None:
             self.set_draft_vocab(self.draft_ids)  # head rows from the new LM head
+
+    def place(self, device: str | torch.device, dtype: torch.dtype | None = None) -> D3DDrafter:
+        """Move the drafter to ``device`` (and ``dtype``) without moving its target.
+
+        Shared embeddings / LM head are the target's modules; when the drafter goes to another
+        device (its own GPU), it takes a copy of them there instead of dragging the target's
+        along.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        emb, head = self.lm.get_input_embeddings(), self.lm.get_output_embeddings()
+        if self.meta.shared_embeddings and emb.weight.device != dev:
+            emb, head = copy.deepcopy((emb, head))  # one deepcopy keeps a tied head tied
+            self.lm.set_input_embeddings(emb)
+            self.lm.set_output_embeddings(head)
+        self.to(device=dev, dtype=dtype)
+        return self
 
     def save(self, path: str | Path) -> Path:
         """Write ``drafter.json`` and ``drafter.safetensors`` (shared tensors left out)."""
@@ -227,7 +245,7 @@ class D3DDrafter(nn.Module):
             )
         if meta.draft_vocab:
             drafter.set_draft_vocab(drafter.draft_ids)  # head rows for the loaded ids
-        drafter.to(device or target.device, dtype=target.dtype)
+        drafter.place(device or target.device, dtype=target.dtype)
         drafter.eval()
         return drafter
 

@@ -127,3 +127,16 @@ def test_a_drafter_with_its_own_tied_embeddings_round_trips(tmp_path):
     )
     ids = [5, 6, 7, 8]
     assert torch.equal(loaded.session().draft(ids).tokens, drafter.session().draft(ids).tokens)
+
+
+def test_a_drafter_on_another_device_copies_the_shared_tensors_instead_of_moving_them():
+    """Two-device setups: placing the drafter elsewhere must leave the target where it is."""
+    target = tiny_model("llama", seed=2, tie=True)
+    drafter = D3DDrafter.from_target(target, 1, device="meta")
+    assert target.get_input_embeddings().weight.device.type == "cpu"
+    assert target.get_output_embeddings().weight.device.type == "cpu"
+    assert drafter.lm.get_input_embeddings().weight.device.type == "meta"
+    assert drafter.lm.get_output_embeddings().weight.device.type == "meta"
+    assert drafter.lm.get_output_embeddings() is not target.get_output_embeddings()
+    same = D3DDrafter.from_target(target, 1)  # same device: shared, not copied
+    assert same.lm.get_input_embeddings() is target.get_input_embeddings()
