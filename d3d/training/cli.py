@@ -106,17 +106,20 @@ def cmd_train(args: argparse.Namespace) -> int:
             ids = draft_vocabulary(train_recs, args.draft_vocab, target.eos_token_ids)
         drafter.set_draft_vocab(ids)
     result = train(drafter, train_recs, cfg, args.out, val_recs, resume=not args.no_resume)
-    print(
-        json.dumps(
-            {
-                "out": str(Path(args.out) / "final"),
-                "steps": result.steps,
-                "loss": round(result.loss, 4),
-                "val": result.val,
-                "seconds": round(result.seconds),
-            }
+    report = {
+        "out": str(Path(args.out) / "final"),
+        "steps": result.steps,
+        "loss": round(result.loss, 4),
+        "val": result.val,
+        "seconds": round(result.seconds),
+    }
+    if args.export:
+        from d3d.training.train import save_compact
+
+        report["export"] = str(
+            save_compact(drafter, args.export, getattr(torch, args.export_dtype))
         )
-    )
+    print(json.dumps(report))
     return 0
 
 
@@ -197,6 +200,11 @@ def _train_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def _export_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--export", default=None, help=f"also save {what} here (compact dtype)")
+    p.add_argument("--export-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="generate the target's own responses as training data")
     p.add_argument("--out", required=True, help="jsonl file (appended to; reruns resume)")
@@ -219,6 +227,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="restrict drafting to the N tokens most frequent in the training responses "
         "(0: whole vocabulary; default: keep the initial drafter's; a resumed run keeps its own)",
     )
+    _export_flags(p, "the trained drafter")
     _train_flags(p, steps=300)
     add_model_args(p)
     p.set_defaults(func=cmd_train)
@@ -229,8 +238,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-stages", type=int, default=4)
     p.add_argument("--patience", type=int, default=1)
     p.add_argument("--recovery-steps", type=int, default=30)
-    p.add_argument("--export", default=None, help="also save the chosen drafter here")
-    p.add_argument("--export-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    _export_flags(p, "the chosen drafter")
     _train_flags(p, steps=30)
     add_model_args(p)
     p.set_defaults(func=cmd_prune)

@@ -179,3 +179,29 @@ def test_training_resume_and_pruning_keep_the_draft_vocabulary(target, tmp_path)
     small = drop_layers(back, [1])
     assert small.draft_ids.tolist() == vocab
     torch.testing.assert_close(small.draft_head, back.draft_head)
+
+
+def test_train_command_sets_the_vocabulary_and_exports_a_compact_checkpoint(tmp_path, capsys):
+    from d3d.cli import main
+    from tests.conftest import tiny_tokenizer
+
+    model = tiny_model("llama", seed=0, vocab=VOCAB, layers=2, tie=True)
+    model.save_pretrained(tmp_path / "target")
+    tiny_tokenizer(VOCAB).save_pretrained(tmp_path / "target")
+    data = tmp_path / "data.jsonl"
+    rows = [{"id": f"r{i}", "source": "t", "split": "train", "prompt": "p",
+             "prompt_ids": [1, 2, 3], "response_ids": [5 + i, 7, 9, 11, 7, 9, 11, 13] * 3}
+            for i in range(4)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["train", "--target", str(tmp_path / "target"), "--drafter", "self:1",
+            "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "2",
+            "--grad-accum", "1", "--val-seqs", "1", "--max-len", "16", "--anchors", "2",
+            "--draft-vocab", "5", "--export", str(tmp_path / "fp16"), "--threads", "1"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] == 2 and report["export"] == str(tmp_path / "fp16")
+    stored = load_file(str(tmp_path / "fp16" / "drafter.safetensors"))
+    assert stored["mask_embedding"].dtype == torch.float16
+    back = D3DDrafter.load(tmp_path / "fp16", model)
+    assert back.meta.draft_vocab == 5
+    assert set(back.draft_ids.tolist()) >= {7, 9, 11}  # the most frequent response tokens
