@@ -115,6 +115,7 @@ def test_a_few_steps_lower_the_loss(target, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and result.steps == 20
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
+    assert (tmp_path / "run" / "curve.png").stat().st_size > 1000
     # Shared embeddings and LM head are the target's and stay frozen.
     assert d.lm.get_input_embeddings() is target.get_input_embeddings()
     assert not target.get_input_embeddings().weight.requires_grad
@@ -162,6 +163,17 @@ def test_resume_continues_to_the_same_weights(target, tmp_path):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert [s for s in steps if s] == [1, 2, 3, 3, 4, 5, 6]  # step 3's validation line, then on
+
+
+def test_read_log_counts_a_repeated_step_once(tmp_path):
+    from d3d.training.train import read_log
+
+    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "val_acceptance_length": 1.2},
+             {"step": 2, "loss": 3.5}, {"step": 3, "loss": 3.0}]  # fmt: skip
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows, val = read_log(tmp_path / "log.jsonl")
+    assert list(rows) == [1, 2, 3] and rows[2]["loss"] == 3.5
+    assert val == {2: 1.2}
 
 
 def test_train_config_validates():
