@@ -18,6 +18,7 @@ Letters: L clean length, n blocks, B block size, K = B-1.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,13 +38,20 @@ class Acceptance:
     acceptance_length: float
     per_position: list[float] = field(default_factory=list)
     num_rounds: int = 0
+    by_source: dict[str, Acceptance] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "acceptance_length": round(self.acceptance_length, 4),
             "acceptance_per_position": [round(p, 4) for p in self.per_position],
             "num_rounds": self.num_rounds,
         }
+        if self.by_source:
+            out["by_source"] = {
+                k: {"acceptance_length": round(a.acceptance_length, 4), "num_rounds": a.num_rounds}
+                for k, a in sorted(self.by_source.items())
+            }
+        return out
 
 
 def accepted_prefix(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -108,11 +116,13 @@ def offline_acceptance(
     stride: int = 4,
     max_response: int | None = None,
 ) -> Acceptance:
-    """Acceptance length over records with ``prompt_ids`` and ``response_ids`` (see above)."""
+    """Acceptance length over records with ``prompt_ids`` and ``response_ids`` (see above),
+    also per ``source`` when records name one."""
     if mode not in ("rounds", "stride"):
         raise ValueError(f"mode: must be rounds or stride, got {mode!r}")
     b = drafter.block_size
     accepted: list[int] = []
+    per_source: dict[str, list[int]] = {}
     for rec in records:
         resp = list(rec["response_ids"])[:max_response] if max_response else rec["response_ids"]
         if len(resp) < 2:
@@ -123,7 +133,10 @@ def offline_acceptance(
         pred = block_predictions(drafter, ids, anchors)
         counts = accepted_prefix(pred, block_labels(ids, anchors, b)).tolist()
         if mode == "rounds":
-            accepted += replay_rounds(dict(zip(anchors, counts, strict=True)), p, end)
-        else:
-            accepted += counts
-    return summarize(accepted, b - 1)
+            counts = replay_rounds(dict(zip(anchors, counts, strict=True)), p, end)
+        accepted += counts
+        if "source" in rec:
+            per_source.setdefault(str(rec["source"]), []).extend(counts)
+    total = summarize(accepted, b - 1)
+    groups = {k: summarize(v, b - 1) for k, v in per_source.items()}
+    return dataclasses.replace(total, by_source=groups)

@@ -80,7 +80,7 @@ def test_offline_rounds_acceptance_equals_online(target):
     records, drafts, accepted = [], 0, 0
     for p in prompts:
         resp = greedy_response(target, p, 40)
-        records.append({"prompt_ids": p, "response_ids": resp})
+        records.append({"prompt_ids": p, "response_ids": resp, "source": f"s{len(records)}"})
         cfg = DecodeConfig(mode="sync", max_new_tokens=40, block_size=d.block_size)
         online = DecodeStats(mode="sync")
         out = [t for c in decode(target, SyncProposer(d), p, cfg, set(), online) for t in c]
@@ -91,6 +91,12 @@ def test_offline_rounds_acceptance_equals_online(target):
     # Online's last round is cut by max_new_tokens; compare over the same rounds.
     assert off.num_rounds == drafts
     assert off.acceptance_length == pytest.approx(1 + accepted / drafts, abs=1e-6)
+    groups = off.by_source
+    assert sorted(groups) == ["s0", "s1"]
+    assert sum(g.num_rounds for g in groups.values()) == off.num_rounds
+    weighted = sum(g.acceptance_length * g.num_rounds for g in groups.values()) / off.num_rounds
+    assert weighted == pytest.approx(off.acceptance_length, abs=1e-5)
+    assert off.to_dict()["by_source"]["s0"]["num_rounds"] == groups["s0"].num_rounds
 
 
 def synthetic_records(n=6, length=24, seed=0):
