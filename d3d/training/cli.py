@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     report = {
         "out": str(Path(args.out) / "final"),
         "steps": result.steps,
-        "loss": round(result.loss, 4),
+        "loss": None if math.isnan(result.loss) else round(result.loss, 4),  # no step run
         "val": result.val,
         "seconds": round(result.seconds),
     }

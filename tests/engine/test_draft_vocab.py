@@ -205,3 +205,7 @@ def test_train_command_sets_the_vocabulary_and_exports_a_compact_checkpoint(tmp_
     back = D3DDrafter.load(tmp_path / "fp16", model)
     assert back.meta.draft_vocab == 5
     assert set(back.draft_ids.tolist()) >= {7, 9, 11}  # the most frequent response tokens
+    # Rerunning a finished run (e.g. only to --export) runs no step and prints valid JSON.
+    assert main(args) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["steps"] == 2 and again["loss"] is None
