@@ -121,8 +121,11 @@ class D3DDrafter(nn.Module):
         self.mask_embedding = nn.Parameter(init.to(device=emb.device, dtype=emb.dtype).clone())
         self.register_buffer(DRAFT_IDS_KEY, None)
         self.register_buffer("draft_head", None, persistent=False)
+        self.register_buffer("draft_index", None, persistent=False)
         if meta.draft_vocab:  # placeholder ids, filled by load_state_dict
             self.set_draft_vocab(torch.arange(meta.draft_vocab))
+        # Whatever loads weights (a checkpoint, a training resume), the derived buffers follow.
+        self.register_load_state_dict_post_hook(D3DDrafter._refresh_draft_vocab)
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -160,8 +163,7 @@ class D3DDrafter(nn.Module):
         """Use the target's input embeddings and LM head (tied or not) as the drafter's own."""
         self.lm.set_input_embeddings(target.get_input_embeddings())
         self.lm.set_output_embeddings(target.get_output_embeddings())
-        if self.draft_ids is not None:
-            self.set_draft_vocab(self.draft_ids)  # head rows from the new LM head
+        self._refresh_draft_vocab()  # head rows from the new LM head
 
     def place(self, device: str | torch.device, dtype: torch.dtype | None = None) -> D3DDrafter:
         """Move the drafter to ``device`` (and ``dtype``) without moving its target.
@@ -243,8 +245,6 @@ class D3DDrafter(nn.Module):
             raise DrafterError(
                 f"checkpoint {src} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
-        if meta.draft_vocab:
-            drafter.set_draft_vocab(drafter.draft_ids)  # head rows for the loaded ids
         drafter.place(device or target.device, dtype=target.dtype)
         drafter.eval()
         return drafter
@@ -254,10 +254,10 @@ class D3DDrafter(nn.Module):
         """Restrict drafting to the target token ``ids`` (None: the whole vocabulary).
 
         The ids are a persistent buffer (saved with the checkpoint); the matching rows of the
-        shared LM head are copied into a non-persistent buffer (frozen, never saved).
+        shared LM head (frozen) and the id -> draft index lookup are derived, never saved.
         """
         if ids is None:
-            self.draft_ids = self.draft_head = None
+            self.draft_ids = self.draft_head = self.draft_index = None
             self.meta = dataclasses.replace(self.meta, draft_vocab=0)
             return
         out = self.lm.get_output_embeddings()
@@ -269,9 +269,17 @@ class D3DDrafter(nn.Module):
             raise DrafterError(f"draft vocabulary ids must lie in [0, {vocab})")
         if ids.unique().numel() != ids.numel():
             raise DrafterError("draft vocabulary ids must be distinct")
+        index = torch.full((vocab,), IGNORE_LABEL, dtype=torch.long, device=ids.device)
+        index[ids] = torch.arange(ids.numel(), device=ids.device)
         self.register_buffer(DRAFT_IDS_KEY, ids.clone(), persistent=True)
         self.register_buffer("draft_head", out.weight.detach()[ids].clone(), persistent=False)
+        self.register_buffer("draft_index", index, persistent=False)
         self.meta = dataclasses.replace(self.meta, draft_vocab=int(ids.numel()))
+
+    def _refresh_draft_vocab(self, *_hook_args) -> None:
+        """Rebuild the derived buffers from ``draft_ids`` (after new weights or a new LM head)."""
+        if self.draft_ids is not None:
+            self.set_draft_vocab(self.draft_ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-space logits of hidden states: [..., H] -> [..., V_d] (V_d = V without a
@@ -287,20 +295,19 @@ class D3DDrafter(nn.Module):
     def to_draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Map target token ids to draft-space indices; tokens outside it (and ``IGNORE_LABEL``)
         become ``IGNORE_LABEL``."""
-        if self.draft_ids is None:
+        if self.draft_index is None:
             return labels
-        lookup = torch.full((self.meta.vocab_size or int(self.draft_ids.max()) + 1,), IGNORE_LABEL)
-        lookup[self.draft_ids.cpu()] = torch.arange(self.draft_ids.numel())
-        valid = (labels >= 0) & (labels < lookup.numel())
+        valid = (labels >= 0) & (labels < self.draft_index.numel())
         out = torch.full_like(labels, IGNORE_LABEL)
-        out[valid] = lookup.to(labels.device)[labels[valid]]
+        out[valid] = self.draft_index.to(labels.device)[labels[valid]]
         return out
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-space logits [..., V_d] -> target-vocabulary logits [..., V] (-inf outside)."""
         if self.draft_ids is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.meta.vocab_size), float("-inf"))
+        vocab = self.draft_index.numel()
+        full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
         full[..., self.draft_ids.to(logits.device)] = logits
         return full
 

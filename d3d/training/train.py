@@ -222,8 +222,6 @@ def train(
         _, unexpected = drafter.load_state_dict(weights, strict=False)
         if unexpected:
             raise ValueError(f"{out / 'last'} does not fit this drafter: {unexpected[:3]}")
-        if drafter.draft_ids is not None:
-            drafter.set_draft_vocab(drafter.draft_ids)  # head rows for the resumed ids
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = int(state["step"])
