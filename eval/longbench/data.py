@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -76,22 +76,22 @@ def dataset2maxlen() -> dict[str, int]:
     return json.loads((CONFIG_DIR / "dataset2maxlen.json").read_text())
 
 
-def prompt_template(item: Item) -> str:
-    if item.template is not None:
-        return item.template
+def _per_dataset(item: Item, own, table: Callable[[], dict], what: str):
+    """The item's own setting, else the official one for its task (``table`` read only then)."""
+    if own is not None:
+        return own
     try:
-        return dataset2prompt()[item.task]
+        return table()[item.task]
     except KeyError:
-        raise ValueError(f"no LongBench prompt for dataset {item.dataset!r}") from None
+        raise ValueError(f"no LongBench {what} for dataset {item.dataset!r}") from None
+
+
+def prompt_template(item: Item) -> str:
+    return _per_dataset(item, item.template, dataset2prompt, "prompt")
 
 
 def max_new_tokens(item: Item) -> int:
-    if item.max_new_tokens is not None:
-        return item.max_new_tokens
-    try:
-        return dataset2maxlen()[item.task]
-    except KeyError:
-        raise ValueError(f"no LongBench generation length for dataset {item.dataset!r}") from None
+    return _per_dataset(item, item.max_new_tokens, dataset2maxlen, "generation length")
 
 
 def uses_chat_template(item: Item) -> bool:
