@@ -1,31 +1,26 @@
 """The ``d3d`` command: thin argument parsing that builds configs and calls the library.
 
-Each subcommand lives in a module that exposes ``register(subparsers)``; the parser it adds sets
-``func`` to a function taking the parsed namespace and returning an exit code. Bad input is a
-one-line ``d3d: error: ...`` on stderr and exit code 2, never a traceback.
+Subcommands register themselves: each package that adds commands declares an entry point in the
+``d3d.commands`` group (see ``pyproject.toml``) naming a ``register(subparsers)`` function, so the
+core library never names the packages that use it (``compression``, ``eval``, ``app``). The parser
+a module adds sets ``func`` to a function taking the parsed namespace and returning an exit code.
+Bad input is a one-line ``d3d: error: ...`` on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
 import time
+from importlib.metadata import entry_points
 
 from d3d.config import ConfigError, DecodeConfig, ModelConfig, SamplingConfig
 from d3d.drafter import DrafterError
 from d3d.models import ModelLoadError
 
-# Modules that add subcommands; each has register(subparsers). Missing optional ones are skipped.
-COMMAND_MODULES = (
-    "d3d.cli",
-    "d3d.bench",
-    "d3d.training.cli",
-    "compression.cli",
-    "eval.cli",
-)
+COMMAND_GROUP = "d3d.commands"
 
 USER_ERRORS = (ConfigError, ModelLoadError, DrafterError, FileNotFoundError, ValueError)
 
@@ -173,14 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name or name.startswith(str(exc.name)):
-                continue
-            raise
-        module.register(sub)
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        ep.load()(sub)
     return parser
 
 

@@ -341,7 +341,30 @@ class D3DDrafter(nn.Module):
         s = cache_length(cache)
         x = torch.tensor([list(ids)], device=self.device)
         pos = torch.arange(s, s + x.shape[1], device=self.device).unsqueeze(0)
-        self.lm.model(input_ids=x, position_ids=pos, **with_cache(self.lm.model, cache))
+        self.body(self.lm.get_input_embeddings()(x), pos, None, cache)
+
+    def body(
+        self,
+        embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache | None,
+        mask_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The drafter's layers: embeds [1, Q, H] -> hidden states [1, Q, H] (final norm applied).
+
+        Every drafter forward goes through here. ``mask_slots`` [Q] bool marks the positions fed
+        the mask embedding (None: none of them); a drafter whose weights act differently at mask
+        slots (adapters) reads it here, so callers never need to know.
+        """
+        kwargs = with_cache(self.lm.model, cache) if cache is not None else {}
+        out = self.lm.model(
+            inputs_embeds=embeds,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+        return out.last_hidden_state
 
     def block_scores(
         self, anchor: int, cache: DynamicCache, pending: Sequence[int] = ()
@@ -362,14 +385,17 @@ class D3DDrafter(nn.Module):
             self.lm.config._attn_implementation,
             embeds.dtype,
         )
-        out = self.lm.model(
-            inputs_embeds=embeds,
-            position_ids=torch.arange(s, s + t + b, device=self.device).unsqueeze(0),
-            attention_mask=mask,
-            **with_cache(self.lm.model, cache),
+        slots = torch.zeros(t + b, dtype=torch.bool, device=self.device)
+        slots[t + 1 :] = True
+        hidden = self.body(
+            embeds,
+            torch.arange(s, s + t + b, device=self.device).unsqueeze(0),
+            mask,
+            cache,
+            slots,
         )
         trim_cache(cache, b)
-        return self.head(out.last_hidden_state[0, t : t + b - 1])
+        return self.head(hidden[0, t : t + b - 1])
 
     def block_logits(
         self, anchor: int, cache: DynamicCache, pending: Sequence[int] = ()
