@@ -170,7 +170,7 @@ def packed_forward(drafter: D3DDrafter, packed: Packed, with_clean: bool) -> Pac
     pos = masks.packed_block_positions(big_l, packed.anchors, b, device=dev)
     slots = torch.ones(big_l + n * b, dtype=torch.bool, device=dev)
     slots[:big_l] = False
-    slots[big_l :: b] = False  # each block's anchor slot holds a real token
+    slots[big_l::b] = False  # each block's anchor slot holds a real token
     h = drafter.body(embeds, pos, mask, None, slots)[0]
     block_logits = drafter.head(h[big_l:].view(n, b, -1)[:, : b - 1])
     clean = drafter.head(h[packed.ntp_start : big_l - 1]) if with_clean else None
