@@ -1,0 +1,158 @@
+"""The batched engine on tiny random models: every row's greedy output equals plain greedy decoding
+of the target alone, whatever shares the batch, whenever it joins, whatever the drafter does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.batching import BatchEngine, GenRequest
+from d3d.batching.cache import RowCache
+from d3d.config import SamplingConfig
+from d3d.drafter import D3DDrafter
+from tests.conftest import TINY_VOCAB, OracleDrafter, greedy_continuation, tiny_model
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 45)), [5, 5, 5], [60, 61]]
+
+
+class Collector:
+    """Callbacks of one request: the tokens it streamed and how it ended."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.stats = None
+        self.error = None
+
+    def request(self, prompt, n, mode="auto", sampling=None) -> GenRequest:
+        return GenRequest(
+            list(prompt),
+            max_new_tokens=n,
+            mode=mode,
+            sampling=sampling or SamplingConfig(),
+            on_tokens=self.tokens.extend,
+            on_finish=self.finish,
+        )
+
+    def finish(self, stats, error):
+        self.stats, self.error = stats, error
+
+
+def run_staggered(engine: BatchEngine, modes, budgets) -> list[Collector]:
+    """Two requests start together, the rest join while they run (continuous batching)."""
+    out = [Collector() for _ in PROMPTS]
+    for i in (0, 1):
+        engine.add(out[i].request(PROMPTS[i], budgets[i], modes[i]))
+    engine.step()
+    engine.step()
+    for i in range(2, len(PROMPTS)):
+        engine.add(out[i].request(PROMPTS[i], budgets[i], modes[i]))
+        engine.step()
+    while not engine.idle:
+        engine.step()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("drafter_kind", ["none", "oracle", "wrong", "untrained"])
+def test_batched_greedy_equals_alone(kind, drafter_kind):
+    model = tiny_model(kind, seed=1)
+    drafter = {
+        "none": None,
+        "oracle": OracleDrafter(model, block_size=6),
+        "wrong": OracleDrafter(model, block_size=6, wrong=True),
+        "untrained": D3DDrafter.from_target(model, 1, base="tiny"),
+    }[drafter_kind]
+    engine = BatchEngine(model, {model.config.eos_token_id}, drafter, block_size=6, max_batch=3)
+    modes = ["sync", "ar", "auto", "sync", "sync"]
+    budgets = [20, 25, 30, 9, 17]
+    out = run_staggered(engine, modes, budgets)
+    for i, c in enumerate(out):
+        assert c.error is None
+        assert c.tokens == greedy_continuation(model, PROMPTS[i], len(c.tokens)), f"row {i}"
+        assert c.stats.num_tokens == len(c.tokens)
+        assert c.stats.stop_reason in ("eos", "length")
+        if c.stats.stop_reason == "length":
+            assert len(c.tokens) == budgets[i]
+    spec_rows = [c for c, m in zip(out, modes, strict=True) if m == "sync"]
+    if drafter is not None:
+        assert all(c.stats.num_drafts > 0 for c in spec_rows)
+    assert out[1].stats.num_drafts == 0  # ar rows never speculate
+    if drafter_kind == "oracle":
+        lengths = [c.stats.acceptance_length for c in spec_rows if c.stats.num_drafts > 1]
+        assert lengths and min(lengths) > 3.0
+    if drafter_kind == "wrong":
+        assert all(c.stats.num_accepted_tokens == 0 for c in spec_rows)
+
+
+def test_eos_inside_a_block_stops_the_row():
+    model = tiny_model("llama", seed=3)
+    ref = greedy_continuation(model, PROMPTS[0], 40)
+    eos = ref[7]  # make a token the model emits early count as EOS
+    engine = BatchEngine(model, {eos}, OracleDrafter(model, block_size=8), block_size=8)
+    c = Collector()
+    engine.add(c.request(PROMPTS[0], 40, "sync"))
+    while not engine.idle:
+        engine.step()
+    assert c.tokens == ref[: ref.index(eos) + 1]
+    assert c.stats.stop_reason == "eos"
+
+
+def test_cancel_drops_only_that_row():
+    model = tiny_model("llama", seed=1)
+    engine = BatchEngine(model, {model.config.eos_token_id}, max_batch=4)
+    a, b = Collector(), Collector()
+    ra = a.request(PROMPTS[0], 30)
+    engine.add(ra)
+    engine.add(b.request(PROMPTS[2], 30))
+    engine.step()
+    engine.step()
+    ra.cancel()
+    while not engine.idle:
+        engine.step()
+    assert a.stats.stop_reason == "cancelled" and len(a.tokens) < 30
+    assert b.tokens == greedy_continuation(model, PROMPTS[2], 30)
+
+
+def test_window_and_empty_prompt_are_refused_with_the_lengths():
+    model = tiny_model("llama", seed=1, window=64)
+    engine = BatchEngine(model, {model.config.eos_token_id}, block_size=16)
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\).*max_new_tokens \(20\).*64-token"):
+        engine.add(GenRequest(list(range(1, 41)), max_new_tokens=20))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add(GenRequest([], max_new_tokens=5))
+
+
+def test_sampling_rows_run_and_stay_in_vocab():
+    model = tiny_model("qwen3", seed=2)
+    drafter = D3DDrafter.from_target(model, 1, base="tiny")
+    engine = BatchEngine(model, set(), drafter, max_batch=4)
+    outs = [Collector() for _ in range(3)]
+    for i, c in enumerate(outs):
+        s = SamplingConfig(temperature=0.8, top_p=0.9, seed=i)
+        engine.add(c.request(PROMPTS[i], 12, "sync" if i else "ar", s))
+    while not engine.idle:
+        engine.step()
+    for c in outs:
+        assert len(c.tokens) == 12 and all(0 <= t < TINY_VOCAB for t in c.tokens)
+    assert outs[1].stats.num_drafts > 0
+
+
+def test_row_cache_rolls_rows_back_independently_and_moves_rows():
+    cache = RowCache(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    with torch.inference_mode():
+        pos, mask = cache.begin(0, 2, 3)
+        cache.update(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2), 0)
+        cache.commit(0, 3)
+        cache.commit(1, 1)  # row 1 keeps one of three written positions (rollback)
+        assert cache.lengths[:2] == [3, 1]
+        pos, mask = cache.begin(0, 2, 2)
+        assert pos.tolist() == [[3, 4], [1, 2]]
+        # row 1's second query sees keys 0..2 only: its stale positions past length are hidden
+        assert mask[1, 0, 1].tolist() == [True, True, True, False, False]
+        k, _ = cache.update(torch.full((2, 1, 2, 2), 2.0), torch.zeros(2, 1, 2, 2), 0)
+        assert k.shape == (2, 1, 5, 2)
+        assert k[1, 0, :, 0].tolist()[:3] == [1.0, 2.0, 2.0]
+        cache.commit(1, 2)
+        cache.move(1, 0)
+        assert cache.lengths[:2] == [3, 0]
+        assert cache.k[0][0, 0, :3, 0].tolist() == [1.0, 2.0, 2.0]
