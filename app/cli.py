@@ -1,0 +1,74 @@
+"""``d3d serve``: run the service with uvicorn (registered through the ``d3d.commands`` group).
+
+Flags map onto :class:`~app.settings.ServeSettings`; each has a ``D3D_*`` environment twin, and
+flags win. Startup logs say what was loaded, on which device, and the warm-up figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from d3d.cli import add_model_args, model_config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+    from app.settings import ServeSettings
+
+    settings = ServeSettings.from_env(
+        model=model_config(args),
+        host=args.host,
+        port=args.port,
+        max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        max_document_tokens=args.max_document_tokens,
+        api_key=args.api_key,
+        request_timeout=args.request_timeout,
+        served_model_name=args.served_model_name,
+    )
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("app").setLevel(logging.INFO)
+    log = logging.getLogger("app")
+    m = settings.model
+    log.info(
+        "d3d serve: target %s on %s, drafter %s on %s; http://%s:%d (max batch %d, max queue %d, "
+        "API key %s)",
+        m.target,
+        m.target_device,
+        m.drafter,
+        m.resolved_drafter_device,
+        settings.host,
+        settings.port,
+        settings.max_batch,
+        settings.max_queue,
+        "required" if settings.api_key else "off",
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the HTTP service (/qa, OpenAI-compatible routes, page)")
+    p.add_argument("--host", default=None, help="bind address (D3D_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (D3D_PORT, default 8000)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (64)")
+    p.add_argument("--max-batch", type=int, default=None, help="requests decoded together (32)")
+    p.add_argument(
+        "--max-document-tokens", type=int, default=None, help="largest /qa document (8000)"
+    )
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds (300)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send")
+    add_model_args(p)
+    p.set_defaults(func=cmd_serve)

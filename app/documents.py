@@ -1,0 +1,89 @@
+"""The app's one door into ``compression/``: documents in, a compressed prompt and its spans out.
+
+Every call from the service into the compression package goes through this module, so a change
+of that package's API is one edit here. :class:`Documents` holds one
+:class:`compression.qa.DocumentQA` per engine (compressors built once, the document cache shared
+by every request) and runs on the engine worker's thread only (it tokenises, and its scorers run
+the drafter's or the target's first layers).
+
+Kept spans are character offsets into the document: the document is tokenised once more with
+offsets (the same call compression makes, plus ``return_offsets_mapping``), and runs of kept
+context tokens become ``[start, end)`` ranges.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from compression.compressor import DEFAULT_SCORER, SCORERS
+from compression.qa import DocumentQA
+
+__all__ = ["DEFAULT_SCORER", "DocumentTooLarge", "Documents", "PreparedDocument", "scorers"]
+
+
+class DocumentTooLarge(ValueError):
+    """The document has more tokens than the service accepts."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f"the document has {tokens} tokens; the limit is {limit} tokens")
+        self.tokens, self.limit = tokens, limit
+
+
+@dataclass(frozen=True)
+class PreparedDocument:
+    """A QA prompt built from a compressed document, and what compression did."""
+
+    prompt_ids: list[int]
+    compression: dict
+    seconds: float
+
+
+def scorers() -> tuple[str, ...]:
+    return tuple(SCORERS)
+
+
+def kept_spans(offsets: Sequence[tuple[int, int]], kept: Sequence[int]) -> list[list[int]]:
+    """Merge kept token indices into character ranges ``[start, end)`` (touching ranges join)."""
+    spans: list[list[int]] = []
+    for i in sorted(kept):
+        start, end = offsets[i]
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return spans
+
+
+class Documents:
+    """Document QA prompts for one engine (see the module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.qa = DocumentQA(engine)
+
+    def prepare(
+        self,
+        document: str,
+        question: str,
+        keep_ratio: float,
+        scorer: str,
+        max_document_tokens: int,
+    ) -> PreparedDocument:
+        """Compress ``document`` for ``question`` and build the answer prompt."""
+        t0 = time.perf_counter()
+        enc = self.engine.tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = [tuple(o) for o in enc["offset_mapping"]]
+        if len(offsets) > max_document_tokens:
+            raise DocumentTooLarge(len(offsets), max_document_tokens)
+        parts = self.qa.parts(document, question)
+        comp = self.qa.compress(parts, keep_ratio, scorer)
+        info = comp.to_dict()
+        # Spans need compression's tokens to be the offset tokens (true when it tokenises the
+        # document alone, as today); otherwise the page shows no highlight rather than a wrong one.
+        info["kept_spans"] = (
+            kept_spans(offsets, comp.kept) if comp.context_tokens == len(offsets) else []
+        )
+        info["document_chars"] = len(document)
+        return PreparedDocument(comp.parts.ids, info, time.perf_counter() - t0)

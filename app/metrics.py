@@ -1,0 +1,94 @@
+"""Prometheus metrics: one registry per app, names shaped after vLLM's.
+
+Request counts and latency by route and status, time to first token, generated tokens and
+tokens/s, queue depth and running batch size, speculative decoding counters with vLLM's names
+(``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, accepted tokens per position),
+async-drafting branch hits and misses (when the decode statistics carry them), and the keep ratio
+of compressed documents.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
+
+
+class Metrics:
+    """All service metrics in their own registry (several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "d3d_requests", "HTTP requests", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "d3d_request_latency_seconds",
+            "HTTP request latency (to the last byte)",
+            ["route", "method", "status"],
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "d3d_time_to_first_token_seconds",
+            "Submission to first generated token",
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("d3d_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("d3d_generation_tokens", "Tokens generated", registry=r)
+        self.tokens_per_second = Histogram(
+            "d3d_request_tokens_per_second",
+            "Per-request decode speed",
+            buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320, 640),
+            registry=r,
+        )
+        self.queue_depth = Gauge("d3d_queue_depth", "Requests waiting for a batch slot", registry=r)
+        self.running = Gauge("d3d_running_requests", "Requests in the running batch", registry=r)
+        self.rejected = Counter("d3d_rejected_requests", "Refused: queue full", registry=r)
+        self.drafts = Counter("d3d_spec_decode_num_drafts", "Speculative rounds", registry=r)
+        self.draft_tokens = Counter(
+            "d3d_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "d3d_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "d3d_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each block position",
+            ["position"],
+            registry=r,
+        )
+        self.branch_hits = Counter("d3d_spec_decode_branch_hits", "Async branch hits", registry=r)
+        self.branch_misses = Counter(
+            "d3d_spec_decode_branch_misses", "Async branch misses", registry=r
+        )
+        self.keep_ratio = Histogram(
+            "d3d_compression_keep_ratio",
+            "Kept fraction of document tokens",
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0),
+            registry=r,
+        )
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        labels = (route, method, str(status))
+        self.requests.labels(*labels).inc()
+        self.latency.labels(*labels).observe(seconds)
+
+    def observe_stats(self, stats: dict) -> None:
+        """Fold one finished request's decode statistics (``DecodeStats.to_dict()``) in."""
+        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+        self.generation_tokens.inc(stats.get("num_tokens", 0))
+        if stats.get("tokens_per_second"):
+            self.tokens_per_second.observe(stats["tokens_per_second"])
+        self.drafts.inc(stats.get("num_drafts", 0))
+        self.draft_tokens.inc(stats.get("num_draft_tokens", 0))
+        self.accepted_tokens.inc(stats.get("num_accepted_tokens", 0))
+        for i, n in enumerate(stats.get("accepted_per_position", []) or []):
+            if n:
+                self.accepted_per_pos.labels(str(i)).inc(n)
+        self.branch_hits.inc(stats.get("branch_hits", 0) or 0)
+        self.branch_misses.inc(stats.get("branch_misses", 0) or 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

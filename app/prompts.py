@@ -1,0 +1,71 @@
+"""How each route's input becomes prompt ids, as functions the engine worker runs.
+
+Routes never tokenise: they hand the worker a ``prepare(models) -> Prepared`` closure built
+here, which runs on the worker's thread (the only thread that touches the models and the
+tokenizer used for encoding). Errors raised here are answers for the client: 413 for an oversized
+document, 422 naming the field for a value the library refuses, 400 otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from app import documents
+from app.errors import ApiError
+from app.worker import Models, Prepared
+
+DEFAULT_KEEP_RATIO = 0.3
+
+
+def chat(messages: Sequence[tuple[str, str]]) -> Callable[[Models], Prepared]:
+    """Chat messages ``(role, text)`` through the tokenizer's chat template."""
+
+    def prepare(models: Models) -> Prepared:
+        tok = models.engine.tokenizer
+        msgs = [{"role": "system" if r == "developer" else r, "content": t} for r, t in messages]
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tok("\n".join(m["content"] for m in msgs), add_special_tokens=True)["input_ids"]
+        return Prepared([int(i) for i in ids])
+
+    return prepare
+
+
+def text(prompt: str) -> Callable[[Models], Prepared]:
+    """A raw completion prompt (no chat template)."""
+
+    def prepare(models: Models) -> Prepared:
+        return Prepared(models.engine.encode(prompt, chat_template=False))
+
+    return prepare
+
+
+def qa(
+    document: str,
+    question: str,
+    keep_ratio: float | None,
+    scorer: str | None,
+    max_document_tokens: int,
+) -> Callable[[Models], Prepared]:
+    """A document compressed for a question, in the QA prompt (see :mod:`app.documents`)."""
+    ratio = DEFAULT_KEEP_RATIO if keep_ratio is None else keep_ratio
+    name = scorer or documents.DEFAULT_SCORER
+
+    def prepare(models: Models) -> Prepared:
+        t0 = time.perf_counter()
+        try:
+            doc = models.documents.prepare(document, question, ratio, name, max_document_tokens)
+        except documents.DocumentTooLarge as exc:
+            raise ApiError(413, str(exc), "document") from exc
+        except ValueError as exc:
+            msg = str(exc)
+            param = "scorer" if "scorer" in msg else "document" if "document" in msg else None
+            raise ApiError(422 if param else 400, msg, param) from exc
+        info = dict(doc.compression)
+        return Prepared(doc.prompt_ids, info, time.perf_counter() - t0)
+
+    return prepare

@@ -1,0 +1,61 @@
+"""Helpers every generating route shares: auth, the job's decode settings, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import Request
+
+from app.errors import ApiError
+from app.schemas import Sampling
+from d3d.config import SamplingConfig
+
+TIMING_KEYS = ("prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds")
+NOT_SPECULATIVE = ("prompt_tokens", "num_tokens", "tokens_per_second", "stop_reason", *TIMING_KEYS)
+
+
+def require_key(request: Request) -> None:
+    """401 unless the bearer token matches ``--api-key`` (when one is set)."""
+    key = request.app.state.settings.api_key
+    if not key:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+        raise ApiError(
+            401,
+            "missing or wrong API key (send Authorization: Bearer <key>)",
+            kind="authentication_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def sampling(body: Sampling) -> SamplingConfig:
+    return SamplingConfig(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+
+
+def speculative_view(stats: dict) -> dict:
+    """The decode statistics that describe speculation (vLLM names), passed through as they are."""
+    return {k: v for k, v in stats.items() if k not in NOT_SPECULATIVE}
+
+
+def usage(stats: dict) -> dict:
+    p, c = int(stats.get("prompt_tokens", 0)), int(stats.get("num_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def sse(payload: object) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_payload(exc: BaseException, request_id: str) -> dict:
+    if isinstance(exc, ApiError):
+        err = {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}
+    else:
+        err = {"message": "internal error", "type": "server_error", "param": None, "code": 500}
+    return {"error": err, "request_id": request_id}

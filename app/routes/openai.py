@@ -1,0 +1,178 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+Shaped so the official OpenAI SDK works unchanged: the same bodies, ``stream=True`` as SSE
+chunks ending in ``data: [DONE]``, a final usage chunk with ``stream_options.include_usage``,
+``stop`` strings, ``seed``. Extras through ``extra_body``: ``speculative: {mode}``,
+``keep_ratio`` / ``scorer`` and ``document``. With a ``document`` (or with ``keep_ratio`` and a
+system message, which is then taken as the document), the request is answered like ``/qa``:
+the document compressed for the last user message (or the prompt), in the QA template.
+Non-streaming responses carry the decode statistics under ``speculative`` (vLLM names).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from app import prompts
+from app.errors import ApiError, request_id
+from app.generation import Run
+from app.routes.common import (
+    SSE_DONE,
+    SSE_HEADERS,
+    error_payload,
+    require_key,
+    sampling,
+    speculative_view,
+    sse,
+    usage,
+)
+from app.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from app.worker import Job
+
+log = logging.getLogger("app.openai")
+router = APIRouter(prefix="/v1", tags=["openai"])
+DEFAULT_MAX_TOKENS = 256
+
+
+def check_model(request: Request, name: str) -> None:
+    served = request.app.state.model_name
+    if name not in (served, "default", request.app.state.settings.model.target):
+        raise ApiError(404, f"model {name!r} not found: this server serves {served!r}", "model")
+
+
+def _document_prepare(request: Request, body: OpenAIRequest, question: str, system: str):
+    """A /qa-style prompt when the request carries a document (see the module docstring)."""
+    document = body.document
+    if document is None and body.keep_ratio is not None:
+        if not system.strip():
+            raise ApiError(
+                422,
+                "keep_ratio needs a document: pass `document` or a system message",
+                "keep_ratio",
+            )
+        document = system
+    if document is None:
+        if body.scorer is not None:
+            raise ApiError(422, "scorer needs a document", "scorer")
+        return None
+    if not document.strip():
+        raise ApiError(422, "document: must not be empty", "document")
+    limit = request.app.state.settings.max_document_tokens
+    return prompts.qa(document, question, body.keep_ratio, body.scorer, limit)
+
+
+async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int | None, chat: bool):
+    state = request.app.state
+    job = Job(prepare, max_tokens or DEFAULT_MAX_TOKENS, sampling(body), body.speculative.mode)
+    run = Run(state.worker, job, stop=body.stops, timeout=state.settings.request_timeout)
+    prepared = await run.start()
+    prefix = "chatcmpl" if chat else "cmpl"
+    rid, created, model = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_name
+    obj = "chat.completion" if chat else "text_completion"
+    if not body.stream:
+        out = await run.collect(request)
+        choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        result = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(out.stats),
+            "speculative": speculative_view(out.stats),
+        }
+        if prepared.info:
+            result["compression"] = prepared.info
+        return result
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+        if chat:
+            d: dict = {}
+            if role:
+                d["role"] = "assistant"
+            if delta is not None:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        out = {"id": rid, "object": chunk_obj, "created": created, "model": model}
+        out["choices"] = [choice]
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    async def events():
+        try:
+            if chat:
+                yield sse(chunk("", role=True))
+            async for delta in run.deltas():
+                yield sse(chunk(delta))
+            yield sse(chunk(None if chat else "", run.outcome.finish_reason))
+            if include_usage:
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": chunk_obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage(run.outcome.stats),
+                    }
+                )
+        except Exception as exc:  # mid-stream: the status is already sent
+            log.info("request %s: stream ended by %r", request_id(request), exc)
+            yield sse(error_payload(exc, request_id(request)))
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/chat/completions", dependencies=[Depends(require_key)])
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    """OpenAI chat completions (see the module docstring)."""
+    check_model(request, body.model)
+    users = [m.text for m in body.messages if m.role == "user"]
+    system = "\n\n".join(m.text for m in body.messages if m.role in ("system", "developer"))
+    prepare = _document_prepare(request, body, users[-1] if users else "", system)
+    if prepare is not None and not users:
+        raise ApiError(422, "a document needs a user message (the question)", "messages")
+    if prepare is None:
+        prepare = prompts.chat([(m.role, m.text) for m in body.messages])
+    return await _run(request, body, prepare, body.max_completion_tokens or body.max_tokens, True)
+
+
+@router.post("/completions", dependencies=[Depends(require_key)])
+async def completions(body: CompletionRequest, request: Request):
+    """OpenAI text completions (see the module docstring)."""
+    check_model(request, body.model)
+    prepare = _document_prepare(request, body, body.text, "") or prompts.text(body.text)
+    return await _run(request, body, prepare, body.max_tokens, False)
+
+
+@router.get("/models", dependencies=[Depends(require_key)])
+async def models(request: Request):
+    state = request.app.state
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": state.started,
+                "owned_by": "d3d",
+                "max_model_len": (state.worker.model_info or {}).get("window"),
+            }
+        ],
+    }

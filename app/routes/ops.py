@@ -1,0 +1,39 @@
+"""Operations: liveness, readiness, Prometheus metrics, and the page at ``/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+router = APIRouter(tags=["ops"])
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+
+@router.get("/health")
+async def health():
+    """Liveness: the process answers (models may still be loading)."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    """Readiness: models loaded and a tiny generation done (503 until then)."""
+    worker = request.app.state.worker
+    if worker.ready:
+        return {"status": "ready", "model": request.app.state.model_name, **worker.model_info}
+    body = {"status": worker.state, "error": worker.error or None}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    """Prometheus text format."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/", include_in_schema=False)
+async def page():
+    return FileResponse(STATIC / "index.html")

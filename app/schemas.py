@@ -1,0 +1,145 @@
+"""Request bodies: pydantic v2 models that refuse unknown fields and name the bad one.
+
+Decoding modes are checked against :data:`d3d.config.MODES` (plus ``auto``) when a request
+arrives, not against a list written here, so a mode the library adds is served at once. Scorers
+are checked against compression's registry through :mod:`app.documents`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from app import documents
+from d3d import config as d3d_config
+
+STRICT = ConfigDict(extra="forbid")
+
+
+def allowed_modes() -> tuple[str, ...]:
+    modes = tuple(d3d_config.MODES)
+    return modes if "auto" in modes else ("auto", *modes)
+
+
+class Speculative(BaseModel):
+    """How to decode: ``auto`` lets the server's policy decide per step; others force it."""
+
+    model_config = STRICT
+    mode: str = "auto"
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if v not in allowed_modes():
+            raise ValueError(f"unknown mode {v!r}: choose from {', '.join(allowed_modes())}")
+        return v
+
+
+class Sampling(BaseModel):
+    """Fields shared by every generating route."""
+
+    model_config = STRICT
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    speculative: Speculative = Field(default_factory=Speculative)
+
+
+class Compression(BaseModel):
+    model_config = STRICT
+    keep_ratio: float | None = Field(None, gt=0.0, le=1.0, description="fraction of document kept")
+    scorer: str | None = Field(None, description="how document parts are ranked")
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer(cls, v: str | None) -> str | None:
+        if v is not None and v not in documents.scorers():
+            raise ValueError(f"unknown scorer {v!r}: choose from {', '.join(documents.scorers())}")
+        return v
+
+
+class QARequest(Sampling, Compression):
+    """``POST /qa``: answer a question about a document (JSON, or multipart with a file)."""
+
+    document: str = Field(..., description="the document text")
+    question: str = Field(..., min_length=1)
+    max_new_tokens: int = Field(64, ge=1, le=4096)
+    stream: bool = False
+
+    @field_validator("document", "question")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class OpenAIRequest(Sampling, Compression):
+    """Fields common to chat and text completions (extras arrive through ``extra_body``)."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=4096)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    user: str | None = None
+    document: str | None = Field(None, description="extra: a document to compress and answer from")
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) != 1:
+            raise ValueError("exactly one prompt per request")
+        return v
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]

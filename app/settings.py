@@ -1,0 +1,68 @@
+"""Service settings: one frozen dataclass built from `d3d serve` flags or ``D3D_*`` variables.
+
+Model settings are the library's own :class:`d3d.config.ModelConfig` (``D3D_TARGET``,
+``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``, ``D3D_DTYPE``, ``D3D_THREADS``);
+the service adds ``D3D_HOST``, ``D3D_PORT``, ``D3D_MAX_QUEUE``, ``D3D_MAX_BATCH``,
+``D3D_MAX_DOCUMENT_TOKENS``, ``D3D_API_KEY``, ``D3D_REQUEST_TIMEOUT`` and
+``D3D_SERVED_MODEL_NAME``. Explicit values (flags) win over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from d3d.config import ConfigError, ModelConfig
+
+ENV = {
+    "host": ("D3D_HOST", str),
+    "port": ("D3D_PORT", int),
+    "max_queue": ("D3D_MAX_QUEUE", int),
+    "max_batch": ("D3D_MAX_BATCH", int),
+    "max_document_tokens": ("D3D_MAX_DOCUMENT_TOKENS", int),
+    "api_key": ("D3D_API_KEY", str),
+    "request_timeout": ("D3D_REQUEST_TIMEOUT", float),
+    "served_model_name": ("D3D_SERVED_MODEL_NAME", str),
+}
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything `d3d serve` can be told (see the module docstring)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64
+    max_batch: int = 32
+    max_document_tokens: int = 8000
+    max_body_bytes: int = 16 * 1024 * 1024
+    api_key: str | None = None
+    request_timeout: float = 300.0
+    served_model_name: str | None = None
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (1 <= self.port <= 65535, "port", "must be in 1..65535"),
+            (self.max_queue >= 1, "max_queue", "must be >= 1"),
+            (self.max_batch >= 1, "max_batch", "must be >= 1"),
+            (self.max_document_tokens >= 1, "max_document_tokens", "must be >= 1"),
+            (self.request_timeout > 0, "request_timeout", "must be > 0"),
+        ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ConfigError(f"{name}: {msg}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, model: ModelConfig | None = None, **overrides: object) -> ServeSettings:
+        values: dict[str, object] = {}
+        for name, (var, cast) in ENV.items():
+            raw = os.environ.get(var)
+            if raw:
+                try:
+                    values[name] = cast(raw)
+                except ValueError as exc:
+                    raise ConfigError(f"{var}: cannot read {raw!r} as {cast.__name__}") from exc
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(model=model or ModelConfig.from_env(), **values)  # type: ignore[arg-type]
