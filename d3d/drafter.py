@@ -19,6 +19,13 @@ Design:
   those rows of the shared LM head. Its cost is B x H x V_d instead of B x H x V, and q is zero
   outside it, which both acceptance rules handle exactly (the target's residual covers the
   rest). The checkpoint stores the V_d token ids; the head rows always come from the target.
+- Optional *gated adapters* (``meta.adapter``, :mod:`d3d.adapters`): the drafter's layers are the
+  target's own tensors, frozen and shared in memory, plus low-rank adapters that act only at the
+  mask slots. Ungated rows (prefix, pending tokens, anchors) never see mask slots, so they
+  compute exactly the target's layers; with all of the target's layers the anchor's draft is the
+  target's own next token. A checkpoint then stores only the adapters, the mask embedding and
+  the draft ids (a few MB), and :meth:`D3DDrafter.load` rebuilds the rest from the target.
+  :meth:`D3DDrafter.body` is the one place that knows: every forward goes through it.
 
 Letters: S cached length, B block size, K = B - 1 draft length, V vocab, V_d draft vocabulary,
 H hidden.
@@ -26,6 +33,7 @@ H hidden.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -41,6 +49,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from d3d import masks
+from d3d.adapters import AdapterConfig, GatedAdapters, frozen_layers_lm, hide_gated_keys
 from d3d.config import DEFAULT_BLOCK_SIZE, SamplingConfig
 from d3d.hf import cache_length, trim_cache, with_cache
 from d3d.sampling import probabilities
@@ -70,6 +79,8 @@ class DrafterMeta:
     vocab_size: int = 0
     draft_vocab: int = 0  # 0: the whole vocabulary
     notes: dict = field(default_factory=dict)
+    adapter: dict | None = None  # AdapterConfig.to_dict() of a gated-adapter drafter
+    target_layers: int = 0  # depth of the model the layers come from (0: unknown)
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -111,11 +122,16 @@ class D3DDrafter(nn.Module):
     """A causal LM with a learned mask embedding that drafts blocks (see the module docstring)."""
 
     def __init__(
-        self, lm: PreTrainedModel, meta: DrafterMeta, mask_embedding: torch.Tensor | None = None
+        self,
+        lm: PreTrainedModel,
+        meta: DrafterMeta,
+        mask_embedding: torch.Tensor | None = None,
+        adapters: GatedAdapters | None = None,
     ):
         super().__init__()
         self.lm = lm
         self.meta = meta
+        self.adapters = adapters
         emb = lm.get_input_embeddings().weight
         init = emb.detach().float().mean(0) if mask_embedding is None else mask_embedding
         self.mask_embedding = nn.Parameter(init.to(device=emb.device, dtype=emb.dtype).clone())
@@ -136,24 +152,39 @@ class D3DDrafter(nn.Module):
         block_size: int = DEFAULT_BLOCK_SIZE,
         base: str = "target",
         device: str | torch.device | None = None,
+        adapter: AdapterConfig | None = None,
     ) -> D3DDrafter:
         """An (untrained) drafter made of some of the target's layers, sharing its embeddings
-        and LM head. ``layers`` is a count (the first N layers) or explicit indices."""
+        and LM head. ``layers`` is a count (the first N layers) or explicit indices.
+
+        Without ``adapter`` the layers are copies (trained in full); with it they are the
+        target's own tensors, frozen, plus gated adapters (see the module docstring)."""
         src_layers = _layer_stack(target)
         idx = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
         if not idx or any(i < 0 or i >= len(src_layers) for i in idx):
             raise DrafterError(f"layers must be indices in [0, {len(src_layers)}), got {idx}")
         cfg = _sub_config(target.config, len(idx), idx)
-        lm = AutoModelForCausalLM.from_config(
-            cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
-        )
-        for j, i in enumerate(idx):
-            _layer_stack(lm)[j].load_state_dict(src_layers[i].state_dict())
-        lm.model.norm.load_state_dict(target.model.norm.state_dict())
+        adapters = None
+        if adapter is not None:
+            lm = frozen_layers_lm(target, idx, cfg)
+            adapters = GatedAdapters(_layer_stack(lm), adapter).to(target.device)
+            adapters.requires_grad_(False)  # training turns on what it updates
+        else:
+            lm = AutoModelForCausalLM.from_config(
+                cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
+            )
+            for j, i in enumerate(idx):
+                _layer_stack(lm)[j].load_state_dict(src_layers[i].state_dict())
+            lm.model.norm.load_state_dict(target.model.norm.state_dict())
         meta = DrafterMeta(
-            base=base, layers=tuple(idx), block_size=block_size, vocab_size=_vocab(target)
+            base=base,
+            layers=tuple(idx),
+            block_size=block_size,
+            vocab_size=_vocab(target),
+            adapter=adapter.to_dict() if adapter is not None else None,
+            target_layers=len(src_layers),
         )
-        drafter = cls(lm, meta)
+        drafter = cls(lm, meta, adapters=adapters)
         drafter.share_embeddings(target)
         drafter.place(device or target.device)
         drafter.eval()
@@ -191,6 +222,8 @@ class D3DDrafter(nn.Module):
         for k, v in self.state_dict().items():
             if self.meta.shared_embeddings and k.startswith(SHARED_KEYS):
                 continue  # the target's tensors: never copied, never stored
+            if self.adapters is not None and k.startswith("lm."):
+                continue  # frozen target layers: rebuilt from the target on load
             # A tied LM head aliases the input embeddings: store the matrix once; loading
             # re-ties it from the config (tie_word_embeddings).
             key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
@@ -225,6 +258,8 @@ class D3DDrafter(nn.Module):
             raise DrafterError(
                 f"drafter vocabulary ({meta.vocab_size}) does not match the target's ({_vocab(target)})"
             )
+        if meta.adapter is not None:
+            return cls._load_adapter(src, meta, target, device)
         cfg = AutoConfig.for_model(cfg_d.pop("model_type"), **cfg_d)
         lm = AutoModelForCausalLM.from_config(
             cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
@@ -248,6 +283,50 @@ class D3DDrafter(nn.Module):
         drafter.place(device or target.device, dtype=target.dtype)
         drafter.eval()
         return drafter
+
+    @classmethod
+    def _load_adapter(
+        cls, src: Path, meta: DrafterMeta, target: PreTrainedModel, device
+    ) -> D3DDrafter:
+        """An adapter checkpoint: the target's layers again, then the stored tensors."""
+        depth = len(_layer_stack(target))
+        if meta.target_layers and meta.target_layers != depth:
+            raise DrafterError(
+                f"adapter checkpoint {src} was trained on a {meta.target_layers}-layer target, "
+                f"this one has {depth}"
+            )
+        drafter = cls.from_target(target, list(meta.layers), meta.block_size, meta.base,
+                                  adapter=AdapterConfig.from_dict(meta.adapter))  # fmt: skip
+        drafter.meta = dataclasses.replace(meta, draft_vocab=0)
+        if meta.draft_vocab:
+            drafter.set_draft_vocab(torch.arange(meta.draft_vocab))  # ids come with the state
+        state = load_file(str(src / WEIGHTS_FILE))
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("lm.")]
+        if missing or unexpected:
+            raise DrafterError(
+                f"checkpoint {src} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        drafter.place(device or target.device, dtype=target.dtype)
+        drafter.eval()
+        return drafter
+
+    @property
+    def exact_prefix(self) -> bool:
+        """True when the drafter's ungated rows compute the whole target (adapters over all of
+        its layers, in order): the anchor's output is then the target's next-token logits."""
+        return self.adapters is not None and self.meta.layers == tuple(
+            range(self.meta.target_layers)
+        )
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """What training updates: adapters and mask embedding for an adapter drafter, else
+        everything but the target's shared embeddings / LM head."""
+        if self.adapters is not None:
+            return [self.mask_embedding, *self.adapters.parameters()]
+        shared = {id(p) for p in self.lm.get_input_embeddings().parameters()}
+        shared |= {id(p) for p in self.lm.get_output_embeddings().parameters()}
+        return [p for p in self.parameters() if id(p) not in shared]
 
     # ----- draft vocabulary ---------------------------------------------------------------
     def set_draft_vocab(self, ids: torch.Tensor | Sequence[int] | None) -> None:
@@ -355,15 +434,26 @@ class D3DDrafter(nn.Module):
 
         Every drafter forward goes through here. ``mask_slots`` [Q] bool marks the positions fed
         the mask embedding (None: none of them); a drafter whose weights act differently at mask
-        slots (adapters) reads it here, so callers never need to know.
+        slots (adapters) reads it here, so callers never need to know. With adapters, they act at
+        the mask slots only, and the other rows are kept from seeing mask slots, so they compute
+        exactly the frozen layers' causal forward.
         """
         kwargs = with_cache(self.lm.model, cache) if cache is not None else {}
-        out = self.lm.model(
-            inputs_embeds=embeds,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            **kwargs,
-        )
+        gate = contextlib.nullcontext()
+        if self.adapters is not None:
+            if mask_slots is not None:
+                slots = mask_slots.to(embeds.device, torch.bool)
+                attention_mask = hide_gated_keys(attention_mask, slots, cache_length(cache))
+            else:
+                slots = None
+            gate = self.adapters.gated(slots)
+        with gate:
+            out = self.lm.model(
+                inputs_embeds=embeds,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                **kwargs,
+            )
         return out.last_hidden_state
 
     def block_scores(

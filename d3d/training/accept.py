@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from d3d import masks
 from d3d.drafter import D3DDrafter
-from d3d.hf import trim_cache, with_cache
+from d3d.hf import trim_cache
 from d3d.training.objectives import IGNORE, block_labels
 
 
@@ -85,12 +85,9 @@ def block_predictions(
         mask = masks.packed_block_mask(big_l, part, b, clean_queries=False, device=dev)
         mask = masks.to_model_mask(mask, lm.config._attn_implementation, embeds.dtype)
         pos = masks.packed_block_positions(big_l, part, b, clean_queries=False, device=dev)
-        h = lm.model(
-            inputs_embeds=embeds,
-            position_ids=pos,
-            attention_mask=mask,
-            **with_cache(lm.model, cache),
-        ).last_hidden_state
+        slots = torch.ones(len(part) * b, dtype=torch.bool, device=dev)
+        slots[::b] = False  # anchors hold real tokens
+        h = drafter.body(embeds, pos, mask, cache, slots)
         trim_cache(cache, len(part) * b)
         rows = h[0].view(len(part), b, -1)[:, : b - 1]
         out.append(drafter.to_target_ids(drafter.head(rows).argmax(dim=-1)).cpu())

@@ -3,7 +3,8 @@
 Thin wrappers: parse flags into the frozen configs of :mod:`d3d.training` and call it. Every
 command takes the shared model flags (``--target``, ``--threads``, ``--device``, ...); for
 ``train`` ``--drafter`` names the initialisation (default ``self:8``: the target's first 8
-layers; ``hf:ID`` a whole pretrained model with the target's tokenizer), for ``prune`` and ``accept`` the trained checkpoint.
+layers; ``lora:N[:RANK]`` its first N layers frozen with gated adapters; ``hf:ID`` a whole
+pretrained model with the target's tokenizer), for ``prune`` and ``accept`` the trained checkpoint.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def _load(args: argparse.Namespace, drafter_spec: str | None):
 
 
 def _records(args: argparse.Namespace):
-    from d3d.training.data import read_records, validation_split
+    from d3d.training.data import read_many, training_guard, validation_split
 
-    return validation_split(read_records(args.data, "train"), args.val_seqs)
+    records = training_guard(read_many(args.data, "train"), args.allow_eval_sources)
+    return validation_split(records, args.val_seqs)
 
 
 def _gamma(text: str) -> float | None:
@@ -52,7 +54,8 @@ def _train_config(args: argparse.Namespace, steps: int, save_every: int):
     from d3d.training.objectives import LossConfig
     from d3d.training.train import TrainConfig
 
-    loss = LossConfig(gamma=args.gamma, ntp_weight=args.ntp_weight, anchors_per_seq=args.anchors)
+    loss = LossConfig(gamma=args.gamma, ntp_weight=args.ntp_weight, anchors_per_seq=args.anchors,
+                      kl_weight=args.kl_weight, topk=args.topk)  # fmt: skip
     return TrainConfig(
         steps=steps,
         lr=args.lr,
@@ -82,6 +85,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
     )
+    if args.text_source:
+        return _text_data(args)
     prompts = prompt_mix(cfg.sources)
     target, _ = _load(args, None)
     t0 = time.perf_counter()
@@ -90,6 +95,22 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.heldout_prompts:
         report["heldout_prompts"] = write_heldout_prompts(args.out, args.heldout_prompts)
     print(json.dumps(report))
+    return 0
+
+
+def _text_data(args: argparse.Namespace) -> int:
+    """Teacher-forced records (existing replies, tokenized; no generation)."""
+    from d3d.training.teacher import sharegpt_items, write_text_records
+
+    name, _, limit = args.text_source.partition("@")
+    if name != "sharegpt":
+        raise ValueError(f"unknown text source {name!r}: use sharegpt[@N]")
+    tokenizer = _load(args, None)[0].tokenizer
+    t0 = time.perf_counter()
+    n = write_text_records(tokenizer, sharegpt_items(int(limit) if limit else None), args.out,
+                           max_reply_tokens=args.max_new_tokens,
+                           heldout_fraction=args.heldout_fraction)  # fmt: skip
+    print(json.dumps({"out": args.out, "written": n, "seconds": round(time.perf_counter() - t0)}))
     return 0
 
 
@@ -150,9 +171,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_accept(args: argparse.Namespace) -> int:
     from d3d.training.accept import offline_acceptance
-    from d3d.training.data import read_records
+    from d3d.training.data import read_many
 
-    records = read_records(args.data, args.split)
+    records = read_many(args.data, args.split)
     if args.ids:
         # Score the records named (in order) by a prompt file, e.g. the held-out prompts file.
         by_id = {r["id"]: r for r in records}
@@ -186,7 +207,7 @@ def cmd_drafter_eval(args: argparse.Namespace) -> int:
 
 def _train_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--data", required=True, help="jsonl written by `d3d data`")
+    g.add_argument("--data", required=True, nargs="+", help="jsonl file(s) written by `d3d data`")
     g.add_argument("--steps", type=int, default=steps)
     g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--warmup", type=int, default=10)
@@ -194,6 +215,13 @@ def _train_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--max-len", type=int, default=320, help="window of prompt + response tokens")
     g.add_argument("--gamma", type=_gamma, default=5.0, help="position decay; 'none' = uniform")
     g.add_argument("--ntp-weight", type=float, default=0.5, help="weight of the next-token loss")
+    g.add_argument("--kl-weight", type=float, default=0.0, help="weight of the soft-label loss")
+    g.add_argument("--topk", type=int, default=8, help="teacher top-k of the soft labels")
+    g.add_argument(
+        "--allow-eval-sources",
+        action="store_true",
+        help="train on evaluation-set records too (HumanEval, GSM8K, MT-Bench, AIME25)",
+    )
     g.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
     g.add_argument("--val-seqs", type=int, default=12, help="training records set aside")
     g.add_argument("--val-every", type=int, default=50)
@@ -214,6 +242,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--heldout-prompts", default=None, help="also write the held-out prompts here")
+    p.add_argument(
+        "--text-source",
+        default=None,
+        help="write teacher-forced records from existing replies instead (sharegpt[@N]; local "
+        "use only) — no generation, soft labels come from the target at training time",
+    )
     add_model_args(p)
     p.set_defaults(func=cmd_data)
 
@@ -245,7 +279,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser("accept", help="offline acceptance length on target responses")
-    p.add_argument("--data", required=True, help="jsonl written by `d3d data`")
+    p.add_argument("--data", required=True, nargs="+", help="jsonl file(s) from `d3d data`")
     p.add_argument("--split", default="heldout", choices=["heldout", "train"])
     p.add_argument("--mode", default="rounds", choices=["rounds", "stride"])
     p.add_argument("--stride", type=int, default=4)

@@ -7,9 +7,15 @@ Design:
   answers greedily, and the response token ids are stored next to the prompt ids.
 - Prompts come from *sources* named by short specs: ``humaneval`` (code), ``gsm8k`` (math),
   ``mtbench`` (dialogue, first turns), ``nq`` (questions over a Wikipedia passage, from
-  ``../shared/data``), ``essays`` (summaries of essay excerpts), ``jsonl:PATH`` (a file with a
-  ``prompt`` field, or one prompt per line), or ``hf:ID[:SPLIT[:FIELD]]`` (any Hugging Face
-  dataset, when reachable). ``NAME@N`` keeps the first N prompts of a source.
+  ``../shared/data``), ``essays`` (summaries of essay excerpts), ``general`` / ``general2``
+  (the two permissive everyday sets of ``../shared/data/general_prompts``: standard-library
+  code, passage questions, everyday instructions, word problems; record ids equal those of the
+  responses already generated in ``../shared/data/target_responses``), ``sharegpt`` (first
+  human turns of ShareGPT, local use only), ``jsonl:PATH`` (a file with a ``prompt`` field, or
+  one prompt per line), or ``hf:ID[:SPLIT[:FIELD]]`` (any Hugging Face dataset, when
+  reachable). ``NAME@N`` keeps the first N prompts of a source.
+- HumanEval, GSM8K, MT-Bench and AIME25 are evaluation sets (``EVAL_SOURCES``): training
+  refuses their records unless asked (:func:`training_guard`).
 - The held-out split is chosen by a hash of each prompt's id, so it is stable across runs and
   never depends on which other prompts are in the mix.
 - Generation is batched (left padding through ``generate``) and resumable: each finished batch is
@@ -40,6 +46,8 @@ log = logging.getLogger(__name__)
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 DEFAULT_MIX = ("humaneval", "gsm8k@300", "mtbench", "nq@250", "essays@60")
+# What `d3d eval speed` reports on: never training data unless asked for and labelled.
+EVAL_SOURCES = frozenset({"humaneval", "gsm8k", "mtbench", "aime25"})
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,21 @@ def _hf(spec: str) -> Iterator[Prompt]:
         yield Prompt(f"{name}/{split}/{i}", name, str(row[field]))
 
 
+def _general(name: str) -> Iterator[Prompt]:
+    yield from _user_file(SHARED_DATA / "general_prompts" / name)
+
+
+def _sharegpt() -> Iterator[Prompt]:
+    from d3d.training.teacher import sharegpt_items
+
+    for pid, source, prompt, _ in sharegpt_items():
+        yield Prompt(pid, source, prompt)
+
+
 BUILTIN = {
+    "general": lambda: _general("general_prompts.jsonl"),
+    "general2": lambda: _general("general_prompts_2.jsonl"),
+    "sharegpt": _sharegpt,
     "humaneval": _humaneval,
     "gsm8k": _gsm8k,
     "mtbench": _mtbench,
@@ -203,6 +225,25 @@ def is_heldout(prompt_id: str, fraction: float) -> bool:
 
 
 # ----- generation ---------------------------------------------------------------------------
+def read_many(paths: str | Path | Sequence[str | Path], split: str | None = None) -> list[dict]:
+    """Records of one or more data files, in order (see :func:`read_records`)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    return [r for p in paths for r in read_records(p, split)]
+
+
+def training_guard(records: Sequence[dict], allow_eval: bool = False) -> list[dict]:
+    """The records, refusing evaluation-set sources (the speed benchmarks report on them, and a
+    drafter trained on their items inflates those figures) unless ``allow_eval``."""
+    bad = sorted({str(r.get("source")) for r in records if r.get("source") in EVAL_SOURCES})
+    if bad and not allow_eval:
+        raise ValueError(
+            f"training data holds evaluation-set records ({', '.join(bad)}): drop them, or pass "
+            "--allow-eval-sources and label the result"
+        )
+    return list(records)
+
+
 def read_records(path: str | Path, split: str | None = None) -> list[dict]:
     """Records of a data file, optionally only one split (``train`` or ``heldout``)."""
     p = Path(path)

@@ -13,6 +13,16 @@ Design (DESIGN.md §2):
 - Both share one forward: clean tokens first (causal), then all blocks, with the mask from
   :func:`d3d.masks.packed_block_mask`. The LM head runs only on the rows that carry a loss,
   since over a 49k vocabulary it costs as much as a few layers.
+- *Adapter drafters* (frozen target layers, adapters at mask slots) take a cheaper path,
+  :func:`cached_prefix_forward`: their clean rows and anchors compute the frozen target, so the
+  clean sequence runs once without gradients into a KV cache, and only the mask slots (n x K
+  rows, anchors dropped: an anchor's KV is the clean token's) run with gradients. Slot 0 (the
+  anchor's own prediction) is the frozen model's and carries no loss; next-token prediction has
+  nothing to train.
+- *Soft labels* (``kl_weight`` > 0): a top-k of the target's distribution at each labelled
+  position, trained with a soft cross-entropy (KL up to a constant) beside the hard-label CE.
+  When the drafter's clean pass *is* the target (all of its layers, adapters), the teacher's
+  logits come from that pass for free.
 
 Pure functions take tensors; :func:`packed_forward` and :func:`drafter_loss` run the model.
 Letters: L clean length, n blocks, B block size, K = B-1 drafts, V vocab, H hidden.
@@ -26,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from d3d import masks
 from d3d.drafter import IGNORE_LABEL, D3DDrafter
@@ -40,6 +51,8 @@ class LossConfig:
     gamma: float | None = 5.0
     ntp_weight: float = 0.5
     anchors_per_seq: int = 16
+    kl_weight: float = 0.0
+    topk: int = 8
 
     def __post_init__(self) -> None:
         if self.gamma is not None and self.gamma <= 0:
@@ -48,6 +61,10 @@ class LossConfig:
             raise ValueError(f"ntp_weight: must be >= 0, got {self.ntp_weight}")
         if self.anchors_per_seq < 1:
             raise ValueError(f"anchors_per_seq: must be >= 1, got {self.anchors_per_seq}")
+        if self.kl_weight < 0 or self.topk < 1:
+            raise ValueError(
+                f"kl_weight must be >= 0 and topk >= 1, got {self.kl_weight}, {self.topk}"
+            )
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,7 @@ class Packed:
     anchors: list[int]
     block_labels: torch.Tensor
     ntp_start: int
+    teacher_forced: bool = False  # labels are the teacher's argmax, not ids (text records)
 
 
 @dataclass(frozen=True)
@@ -151,10 +169,67 @@ def weighted_block_loss(
 
 @dataclass(frozen=True)
 class PackedOutput:
-    """``block`` logits [n, K, V]; ``clean`` logits [T, V] for positions ntp_start..L-2 or None."""
+    """``block`` logits [n, K, V]; ``clean`` logits [T, V] for positions ntp_start..L-2 or None;
+    ``soft``: the teacher's top-k (ids [n, K, k] target ids, log-probs [n, K, k]) or None."""
 
     block: torch.Tensor
     clean: torch.Tensor | None
+    soft: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def soft_cross_entropy(
+    logits: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Position-weighted -sum_k p_k log q(t_k) against a renormalised teacher top-k.
+
+    logits [n, K, V_d] (draft space), soft_ids [n, K, k] draft-space ids (``IGNORE``: outside
+    the draft vocabulary or no label), soft_logp [n, K, k] teacher log-probs, weights [K].
+    """
+    valid = soft_ids != IGNORE
+    p = torch.where(valid, soft_logp.float().exp(), torch.zeros_like(soft_logp, dtype=torch.float))
+    mass = p.sum(-1, keepdim=True)
+    p = p / mass.clamp_min(1e-8)
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    picked = logq.gather(-1, soft_ids.clamp_min(0).to(logq.device))
+    ce = -(p.to(logq.device) * picked).sum(-1)  # [n, K]
+    w = weights.to(ce.device).unsqueeze(0) * (mass.squeeze(-1) > 0).to(ce.device)
+    return (ce * w).sum() / w.sum().clamp_min(1e-8)
+
+
+def cached_prefix_forward(drafter: D3DDrafter, packed: Packed, topk: int = 0) -> PackedOutput:
+    """Block logits of an adapter drafter: clean pass without gradients, then mask slots only.
+
+    The n blocks' K mask slots (positions s+1..s+K, after anchor s) attend to the cached clean
+    keys up to s — the anchor's KV is the clean token's — and to their own block; slot 0's
+    logits are the clean pass's at s. With ``topk`` and a drafter whose clean pass is the
+    target, the teacher's top-k at the labelled positions comes with it.
+    """
+    dev, b = drafter.device, drafter.block_size
+    k, n, big_l = b - 1, len(packed.anchors), packed.ids.shape[0]
+    ids = packed.ids.to(dev)
+    cache = DynamicCache()
+    with torch.no_grad():
+        pos = torch.arange(big_l, device=dev).unsqueeze(0)
+        emb = drafter.lm.get_input_embeddings()(ids).unsqueeze(0)
+        h_clean = drafter.body(emb, pos, None, cache)[0]  # [L, H], the frozen model
+    starts = [s + 1 for s in packed.anchors]  # the mask run of block i starts after its anchor
+    mask = masks.packed_block_mask(big_l, starts, k, clean_queries=False, device=dev)
+    mask = masks.to_model_mask(mask, drafter.lm.config._attn_implementation, emb.dtype)
+    pos = masks.packed_block_positions(big_l, starts, k, clean_queries=False, device=dev)
+    embeds = drafter.mask_embedding.to(emb.dtype).view(1, 1, -1).expand(1, n * k, -1)
+    slots = torch.ones(n * k, dtype=torch.bool, device=dev)
+    h = drafter.body(embeds, pos, mask, cache, slots)[0].view(n, k, -1)
+    anchors = torch.tensor(packed.anchors, device=dev)
+    first = drafter.head(h_clean[anchors]).unsqueeze(1)  # [n, 1, V_d]
+    block = torch.cat([first, drafter.head(h[:, : k - 1])], dim=1)  # [n, K, V_d]
+    soft = None
+    if topk and drafter.exact_prefix:
+        with torch.no_grad():
+            rows = (anchors.unsqueeze(1) + torch.arange(k, device=dev)).clamp_max(big_l - 1)
+            teacher = drafter.lm.get_output_embeddings()(h_clean[rows]).float()  # [n, K, V]
+            top = torch.log_softmax(teacher, dim=-1).topk(topk, dim=-1)
+        soft = (top.indices, top.values)
+    return PackedOutput(block, None, soft)
 
 
 def packed_forward(drafter: D3DDrafter, packed: Packed, with_clean: bool) -> PackedOutput:
@@ -178,12 +253,32 @@ def packed_forward(drafter: D3DDrafter, packed: Packed, with_clean: bool) -> Pac
 
 
 def drafter_loss(drafter: D3DDrafter, packed: Packed, cfg: LossConfig) -> LossParts:
-    """L = L_block + ntp_weight * L_ntp for one packed sequence."""
-    out = packed_forward(drafter, packed, with_clean=cfg.ntp_weight > 0)
+    """L = L_block + ntp_weight * L_ntp (+ kl_weight * L_soft) for one packed sequence."""
+    adapter = drafter.adapters is not None
+    if packed.teacher_forced and not drafter.exact_prefix:
+        raise ValueError(
+            "teacher-forced records need a drafter whose clean pass is the target (lora:N over "
+            "all of its layers): their labels are the target's own predictions"
+        )
+    if adapter:
+        topk = cfg.topk if cfg.kl_weight > 0 or packed.teacher_forced else 0
+        out = cached_prefix_forward(drafter, packed, topk)
+    else:
+        out = packed_forward(drafter, packed, with_clean=cfg.ntp_weight > 0)
     w = position_weights(drafter.block_size, cfg.gamma)
     labels = drafter.to_draft_labels(packed.block_labels).to(out.block.device)
+    if packed.teacher_forced and out.soft is not None:
+        argmax = drafter.to_draft_labels(out.soft[0][..., 0]).to(labels.device)
+        labels = torch.where(labels == IGNORE, labels, argmax)
+    if adapter:
+        labels[:, 0] = IGNORE  # the anchor's prediction is the frozen model's
     block = weighted_block_loss(out.block, labels, w)
     total, ntp_value = block, math.nan
+    if out.soft is not None and cfg.kl_weight > 0:
+        soft_ids = drafter.to_draft_labels(out.soft[0])
+        soft_ids[:, 0] = IGNORE
+        soft_ids[labels == IGNORE] = IGNORE  # past the end of the sequence
+        total = total + cfg.kl_weight * soft_cross_entropy(out.block, soft_ids, out.soft[1], w)
     labels = drafter.to_draft_labels(packed.ids[packed.ntp_start + 1 :])
     if out.clean is not None and bool((labels != IGNORE).any()):
         ntp = F.cross_entropy(out.clean.float(), labels.to(out.clean.device), ignore_index=IGNORE)

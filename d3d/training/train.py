@@ -5,7 +5,9 @@ Design:
 - The drafter starts from a pretrained causal LM with the target's tokenizer — by default some of
   the target's own layers (``self:N`` / ``self:i,j,k``), or any checkpoint directory. The shared
   embeddings and LM head stay frozen (they are the target's); the drafter's layers, final norm
-  and mask embedding train.
+  and mask embedding train. ``lora:N[:RANK]`` starts a gated-adapter drafter instead: the
+  target's first N layers stay frozen (shared, not copied) and only the adapters and the mask
+  embedding train (:meth:`D3DDrafter.trainable_parameters`); a checkpoint of it holds just those.
 - One *step* = ``grad_accum`` sequences, each one packed forward (:mod:`.objectives`); AdamW
   with linear warm-up then cosine decay to 10%, gradient clipping.
 - Precision: fp32 on CPU; on CUDA the trainable weights stay fp32 and the forward runs under
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -38,6 +41,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from d3d.adapters import AdapterConfig
 from d3d.drafter import WEIGHTS_FILE, D3DDrafter, DrafterMeta
 from d3d.training.accept import offline_acceptance
 from d3d.training.objectives import LossConfig, LossParts, drafter_loss, pack
@@ -90,6 +94,15 @@ def init_drafter(spec: str, target, device: str | torch.device | None = None) ->
     kept and frozen), else any spec :func:`d3d.engine.build_drafter` takes (``self:N``, ...)."""
     from d3d.engine import build_drafter
 
+    if spec.startswith("lora:"):
+        parts = spec.split(":")
+        try:
+            n, rank = int(parts[1]), int(parts[2]) if len(parts) > 2 else 16
+        except (IndexError, ValueError) as exc:
+            raise ValueError(f"bad drafter spec {spec!r}: use lora:N or lora:N:RANK") from exc
+        cfg = AdapterConfig(rank=rank, alpha=2.0 * rank)
+        return D3DDrafter.from_target(target.model, n, base=target.spec, device=device,
+                                      adapter=cfg)  # fmt: skip
     if not spec.startswith("hf:"):
         return build_drafter(spec, target, device)
     lm = AutoModelForCausalLM.from_pretrained(
@@ -123,10 +136,8 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def trainable(drafter: D3DDrafter) -> list[torch.nn.Parameter]:
-    """The drafter's own parameters (not the target's shared embeddings / LM head)."""
-    shared = {id(p) for p in drafter.lm.get_input_embeddings().parameters()}
-    shared |= {id(p) for p in drafter.lm.get_output_embeddings().parameters()}
-    return [p for p in drafter.parameters() if id(p) not in shared]
+    """What a run updates (see :meth:`D3DDrafter.trainable_parameters`)."""
+    return drafter.trainable_parameters()
 
 
 def sequence_order(n: int, index: int, seed: int) -> int:
@@ -168,6 +179,8 @@ def _accumulate(
                       drafter.block_size, g, cfg.max_len)  # fmt: skip
         if packed is None:
             continue
+        if rec.get("teacher_forced"):
+            packed = dataclasses.replace(packed, teacher_forced=True)
         with _autocast(drafter.device):
             lp = drafter_loss(drafter, packed, cfg.loss)
         (lp.total / cfg.grad_accum).backward()
