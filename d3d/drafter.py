@@ -36,23 +36,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from d3d import masks
 from d3d.adapters import AdapterConfig, GatedAdapters, frozen_layers_lm, hide_gated_keys
 from d3d.config import DEFAULT_BLOCK_SIZE, SamplingConfig
 from d3d.hf import cache_length, trim_cache, with_cache
-from d3d.sampling import probabilities
+from d3d.session import Draft, DraftSession
+
+__all__ = ["D3DDrafter", "Draft", "DraftSession", "DrafterError", "DrafterMeta"]
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,6 @@ class DrafterMeta:
             raise DrafterError(f"block_size must be >= 2, got {self.block_size}")
         if not self.layers:
             raise DrafterError("a drafter needs at least one layer")
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One drafted block: ``tokens`` [K] ids, and ``q`` [K, V] probabilities when sampling."""
-
-    tokens: torch.Tensor
-    q: torch.Tensor | None
 
 
 def _layer_stack(lm: PreTrainedModel) -> nn.ModuleList:
@@ -215,101 +207,20 @@ class D3DDrafter(nn.Module):
         return self
 
     def save(self, path: str | Path) -> Path:
-        """Write ``drafter.json`` and ``drafter.safetensors`` (shared tensors left out)."""
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        state, seen = {}, set()
-        for k, v in self.state_dict().items():
-            if self.meta.shared_embeddings and k.startswith(SHARED_KEYS):
-                continue  # the target's tensors: never copied, never stored
-            if self.adapters is not None and k.startswith("lm."):
-                continue  # frozen target layers: rebuilt from the target on load
-            # A tied LM head aliases the input embeddings: store the matrix once; loading
-            # re-ties it from the config (tie_word_embeddings).
-            key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-            if key not in seen:
-                seen.add(key)
-                state[k] = v.detach().contiguous().cpu()
-        save_file(state, str(out / WEIGHTS_FILE))
-        meta = asdict(self.meta)
-        meta["layers"] = list(self.meta.layers)
-        doc = {"meta": meta, "lm_config": self.lm.config.to_dict()}
-        (out / META_FILE).write_text(json.dumps(doc, indent=2))
-        return out
+        """Write ``drafter.json`` and ``drafter.safetensors`` (see :mod:`d3d.checkpoint`)."""
+        from d3d.checkpoint import save_drafter
+
+        return save_drafter(self, path)
 
     @classmethod
     def load(
         cls, path: str | Path, target: PreTrainedModel, device: str | torch.device | None = None
     ) -> D3DDrafter:
-        """Load a checkpoint written by :meth:`save`; shared tensors come from ``target``."""
-        src = Path(path)
-        if not (src / META_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
-            raise DrafterError(
-                f"{src} is not a drafter checkpoint (needs {META_FILE} and {WEIGHTS_FILE})"
-            )
-        try:
-            doc = json.loads((src / META_FILE).read_text())
-            meta_d = doc["meta"]
-            meta = DrafterMeta(**{**meta_d, "layers": tuple(meta_d["layers"])})
-            cfg_d = dict(doc["lm_config"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DrafterError(f"{src / META_FILE} is unreadable: {exc}") from exc
-        if meta.vocab_size and meta.vocab_size != _vocab(target):
-            raise DrafterError(
-                f"drafter vocabulary ({meta.vocab_size}) does not match the target's ({_vocab(target)})"
-            )
-        if meta.adapter is not None:
-            return cls._load_adapter(src, meta, target, device)
-        cfg = AutoConfig.for_model(cfg_d.pop("model_type"), **cfg_d)
-        lm = AutoModelForCausalLM.from_config(
-            cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
-        )
-        drafter = cls(lm, meta)
-        if meta.shared_embeddings:
-            drafter.share_embeddings(target)
-        state = load_file(str(src / WEIGHTS_FILE))
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        tied = getattr(cfg, "tie_word_embeddings", False) and not meta.shared_embeddings
-        missing = [
-            k
-            for k in missing
-            if not (meta.shared_embeddings and k.startswith(SHARED_KEYS))
-            and not (tied and k == "lm.lm_head.weight")
-        ]
-        if missing or unexpected:
-            raise DrafterError(
-                f"checkpoint {src} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-        drafter.place(device or target.device, dtype=target.dtype)
-        drafter.eval()
-        return drafter
+        """Load a checkpoint written by :meth:`save`; shared (and, for an adapter drafter,
+        frozen) tensors come from ``target`` (see :mod:`d3d.checkpoint`)."""
+        from d3d.checkpoint import load_drafter
 
-    @classmethod
-    def _load_adapter(
-        cls, src: Path, meta: DrafterMeta, target: PreTrainedModel, device
-    ) -> D3DDrafter:
-        """An adapter checkpoint: the target's layers again, then the stored tensors."""
-        depth = len(_layer_stack(target))
-        if meta.target_layers and meta.target_layers != depth:
-            raise DrafterError(
-                f"adapter checkpoint {src} was trained on a {meta.target_layers}-layer target, "
-                f"this one has {depth}"
-            )
-        drafter = cls.from_target(target, list(meta.layers), meta.block_size, meta.base,
-                                  adapter=AdapterConfig.from_dict(meta.adapter))  # fmt: skip
-        drafter.meta = dataclasses.replace(meta, draft_vocab=0)
-        if meta.draft_vocab:
-            drafter.set_draft_vocab(torch.arange(meta.draft_vocab))  # ids come with the state
-        state = load_file(str(src / WEIGHTS_FILE))
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("lm.")]
-        if missing or unexpected:
-            raise DrafterError(
-                f"checkpoint {src} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-        drafter.place(device or target.device, dtype=target.dtype)
-        drafter.eval()
-        return drafter
+        return load_drafter(cls, path, target, device)
 
     @property
     def exact_prefix(self) -> bool:
@@ -496,53 +407,3 @@ class D3DDrafter(nn.Module):
 
 def _vocab(model: PreTrainedModel) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
-
-
-class DraftSession:
-    """Per-request drafting state: the cache of committed tokens, and the sampling rule.
-
-    Invariant: the cache holds the committed tokens except the last one (the next anchor).
-    ``draft`` takes the whole committed sequence and reuses the longest cached prefix, so the
-    caller only ever passes token ids.
-    """
-
-    def __init__(
-        self,
-        drafter: D3DDrafter,
-        sampling: SamplingConfig | None = None,
-        generator: torch.Generator | None = None,
-    ):
-        self.drafter = drafter
-        self.sampling = sampling or SamplingConfig()
-        self.generator = generator
-        self.cache = DynamicCache()
-        self.cached_ids: list[int] = []
-
-    def _rewind(self, want: list[int]) -> list[int]:
-        """Cut the cache back to its longest prefix shared with ``want``; return the rest."""
-        common = 0
-        for a, b in zip(self.cached_ids, want, strict=False):
-            if a != b:
-                break
-            common += 1
-        if common == 0 and self.cached_ids:
-            self.cache = DynamicCache()
-        else:
-            trim_cache(self.cache, len(self.cached_ids) - common)
-        self.cached_ids = want[:common]
-        return want[common:]
-
-    @torch.inference_mode()
-    def draft(self, token_ids: Sequence[int]) -> Draft:
-        """Draft K = B-1 tokens after ``token_ids`` (the committed sequence, anchor last)."""
-        if not token_ids:
-            raise ValueError("drafting needs at least one committed token (the anchor)")
-        want = [int(t) for t in token_ids[:-1]]
-        pending = self._rewind(want)
-        scores = self.drafter.block_scores(int(token_ids[-1]), self.cache, pending)
-        self.cached_ids = want
-        if self.sampling.greedy:
-            return Draft(tokens=self.drafter.to_target_ids(scores.argmax(dim=-1)), q=None)
-        q = probabilities(self.drafter.full_logits(scores), self.sampling)
-        tokens = torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
-        return Draft(tokens=tokens, q=q)

@@ -1,0 +1,135 @@
+"""Drafter checkpoints: what a folder stores, and how a drafter is rebuilt from one.
+
+A checkpoint is ``drafter.json`` (the :class:`d3d.drafter.DrafterMeta` and the LM config) and
+``drafter.safetensors`` (the drafter's own tensors). Tensors borrowed from the target are never
+stored: its embeddings and LM head (``meta.shared_embeddings``), and for an adapter drafter
+(``meta.adapter``) its frozen layers too — such a checkpoint holds only the adapters, the mask
+embedding and the draft-vocabulary ids (a few MB at any depth). Loading recognises the kind from
+the JSON alone, so callers (``d3d.engine.build_drafter``) never need to know which it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from d3d.adapters import AdapterConfig
+from d3d.drafter import (
+    META_FILE,
+    SHARED_KEYS,
+    WEIGHTS_FILE,
+    DrafterError,
+    DrafterMeta,
+    _layer_stack,
+    _vocab,
+)
+
+if TYPE_CHECKING:
+    from d3d.drafter import D3DDrafter
+
+
+def save_drafter(drafter: D3DDrafter, path: str | Path) -> Path:
+    """Write the checkpoint folder (borrowed tensors left out)."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state, seen = {}, set()
+    for k, v in drafter.state_dict().items():
+        if drafter.meta.shared_embeddings and k.startswith(SHARED_KEYS):
+            continue  # the target's tensors: never copied, never stored
+        if drafter.adapters is not None and k.startswith("lm."):
+            continue  # frozen target layers: rebuilt from the target on load
+        # A tied LM head aliases the input embeddings: store the matrix once; loading
+        # re-ties it from the config (tie_word_embeddings).
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key not in seen:
+            seen.add(key)
+            state[k] = v.detach().contiguous().cpu()
+    save_file(state, str(out / WEIGHTS_FILE))
+    meta = asdict(drafter.meta)
+    meta["layers"] = list(drafter.meta.layers)
+    doc = {"meta": meta, "lm_config": drafter.lm.config.to_dict()}
+    (out / META_FILE).write_text(json.dumps(doc, indent=2))
+    return out
+
+
+def load_drafter(
+    cls: type[D3DDrafter],
+    path: str | Path,
+    target: PreTrainedModel,
+    device: str | torch.device | None = None,
+) -> D3DDrafter:
+    """Rebuild a drafter of class ``cls`` from a checkpoint folder and its ``target``."""
+    src = Path(path)
+    if not (src / META_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
+        raise DrafterError(
+            f"{src} is not a drafter checkpoint (needs {META_FILE} and {WEIGHTS_FILE})"
+        )
+    try:
+        doc = json.loads((src / META_FILE).read_text())
+        meta_d = doc["meta"]
+        meta = DrafterMeta(**{**meta_d, "layers": tuple(meta_d["layers"])})
+        cfg_d = dict(doc["lm_config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise DrafterError(f"{src / META_FILE} is unreadable: {exc}") from exc
+    if meta.vocab_size and meta.vocab_size != _vocab(target):
+        raise DrafterError(
+            f"drafter vocabulary ({meta.vocab_size}) does not match the target's ({_vocab(target)})"
+        )
+    if meta.adapter is not None:
+        return _load_adapter(cls, src, meta, target, device)
+    cfg = AutoConfig.for_model(cfg_d.pop("model_type"), **cfg_d)
+    lm = AutoModelForCausalLM.from_config(
+        cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
+    )
+    drafter = cls(lm, meta)
+    if meta.shared_embeddings:
+        drafter.share_embeddings(target)
+    state = load_file(str(src / WEIGHTS_FILE))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    tied = getattr(cfg, "tie_word_embeddings", False) and not meta.shared_embeddings
+    missing = [
+        k
+        for k in missing
+        if not (meta.shared_embeddings and k.startswith(SHARED_KEYS))
+        and not (tied and k == "lm.lm_head.weight")
+    ]
+    _check_fit(src, missing, unexpected)
+    drafter.place(device or target.device, dtype=target.dtype)
+    drafter.eval()
+    return drafter
+
+
+def _load_adapter(
+    cls: type[D3DDrafter], src: Path, meta: DrafterMeta, target: PreTrainedModel, device
+) -> D3DDrafter:
+    """An adapter checkpoint: the target's layers again (shared), then the stored tensors."""
+    depth = len(_layer_stack(target))
+    if meta.target_layers and meta.target_layers != depth:
+        raise DrafterError(
+            f"adapter checkpoint {src} was trained on a {meta.target_layers}-layer target, "
+            f"this one has {depth}"
+        )
+    drafter = cls.from_target(target, list(meta.layers), meta.block_size, meta.base,
+                              adapter=AdapterConfig.from_dict(meta.adapter))  # fmt: skip
+    drafter.meta = dataclasses.replace(meta, draft_vocab=0)
+    if meta.draft_vocab:
+        drafter.set_draft_vocab(torch.arange(meta.draft_vocab))  # ids come with the state
+    missing, unexpected = drafter.load_state_dict(load_file(str(src / WEIGHTS_FILE)), strict=False)
+    _check_fit(src, [k for k in missing if not k.startswith("lm.")], unexpected)
+    drafter.place(device or target.device, dtype=target.dtype)
+    drafter.eval()
+    return drafter
+
+
+def _check_fit(src: Path, missing: list[str], unexpected: list[str]) -> None:
+    if missing or unexpected:
+        raise DrafterError(
+            f"checkpoint {src} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
