@@ -1,9 +1,11 @@
 """``d3d compress`` and ``d3d qa``: thin commands over :mod:`compression`.
 
 ``d3d compress --document FILE --question TEXT`` prints the kept text (or JSON with ``--json``);
-``d3d qa`` compresses and then answers with the engine (speculative decoding by default). Bad
-input (missing or empty file, keep ratio outside (0, 1], unknown scorer) is a ``ValueError`` or
-``FileNotFoundError``, which ``d3d`` prints as one line with exit code 2.
+``d3d qa`` compresses and then answers with the engine; ``--question`` may be given several
+times: the questions share one :class:`~compression.qa.DocumentQA`, so the document is read
+once. Bad input (missing or empty file, keep ratio outside (0, 1], unknown scorer) is a
+``ValueError`` or ``FileNotFoundError``, which ``d3d`` prints as one line with exit code 2,
+before any model loads.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from compression.compressor import SCORERS, CompressionConfig, attention_preset
-from compression.qa import QA_TEMPLATE, answer_document, compress_document
+from compression.compressor import DEFAULT_SCORER, SCORERS, CompressionConfig, attention_preset
+from compression.drafter_scorers import AttentionScoring
+from compression.qa import QA_TEMPLATE, DocumentQA
+from compression.selection import GRANULARITIES
 from d3d.cli import add_decode_args, add_model_args, decode_config, model_config
 
 
@@ -23,9 +27,10 @@ def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
     g = p.add_argument_group("compression")
     if keep:
         g.add_argument("--keep", type=float, default=0.1, help="keep ratio in (0, 1]")
-        g.add_argument("--scorer", default="drafter-attention", help=f"one of {', '.join(SCORERS)}")
-    g.add_argument("--chunk-size", type=int, default=32, help="tokens per chunk")
-    g.add_argument("--granularity", default="chunk", choices=["chunk", "sentence"])
+        g.add_argument("--scorer", default=DEFAULT_SCORER, help=f"one of {', '.join(SCORERS)}")
+    g.add_argument("--chunk-size", type=int, default=32, help="tokens per unit (packed, chunk)")
+    g.add_argument("--granularity", default="packed", choices=list(GRANULARITIES))
+    g.add_argument("--neighbours", type=int, default=0, help="units kept around a chosen one")
     g.add_argument("--random-seed", type=int, default=0, help="seed of the random scorer")
     g.add_argument("--score-layers", type=int, default=None, help="layers that read the prompt")
     g.add_argument(
@@ -34,6 +39,8 @@ def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
     g.add_argument("--score-heads", default=None, help="layer:head list (e.g. 7:7,6:1), or 'all'")
     g.add_argument("--lookahead", default=None, choices=["on", "off"], help="append a draft block")
     g.add_argument("--quantize", default=None, choices=["on", "off"], help="int8 reader layers")
+    g.add_argument("--score-window", type=int, default=None, help="reading window in tokens")
+    g.add_argument("--fusion", default=None, help="hybrid weights attention,bm25 (e.g. 1,1)")
 
 
 def _heads(text: str) -> tuple[tuple[int, int], ...] | None:
@@ -47,11 +54,17 @@ def _heads(text: str) -> tuple[tuple[int, int], ...] | None:
         raise ValueError(f"--score-heads must look like 7:7,6:1 or 'all', got {text!r}") from None
 
 
-def compression_config(
-    args: argparse.Namespace, target_spec: str, with_keep: bool = True
-) -> CompressionConfig:
-    """The compression flags as a config (``with_keep=False``: scorer and keep come elsewhere)."""
-    att = attention_preset(target_spec)
+def _weights(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--fusion must look like 1,1 (attention,bm25), got {text!r}") from None
+    return a, b
+
+
+def attention_config(args: argparse.Namespace, preset: AttentionScoring) -> AttentionScoring:
+    """The preset with the ``--score-*`` flags applied."""
+    att = preset
     if args.score_layers is not None:
         att = replace(att, layers=args.score_layers)
     if args.score_reader is not None:
@@ -62,14 +75,31 @@ def compression_config(
         att = replace(att, lookahead=args.lookahead == "on")
     if args.quantize is not None:
         att = replace(att, quantize=args.quantize == "on")
-    return CompressionConfig(
-        scorer=args.scorer if with_keep else "drafter-attention",
+    if args.score_window is not None:
+        att = replace(att, window=args.score_window)
+    return att
+
+
+def compression_config(
+    args: argparse.Namespace, target_spec: str, with_keep: bool = True, drafter=None
+) -> CompressionConfig:
+    """The compression flags as a config (``with_keep=False``: scorer and keep come elsewhere).
+
+    The attention preset depends on the drafter; called before loading (``drafter=None``) it
+    checks the flags, and again after loading it gives the config to use.
+    """
+    cfg = CompressionConfig(
+        scorer=args.scorer if with_keep else DEFAULT_SCORER,
         keep_ratio=args.keep if with_keep else 1.0,
         chunk_size=args.chunk_size,
         granularity=args.granularity,
+        neighbours=args.neighbours,
         seed=args.random_seed,
-        attention=att,
+        attention=attention_config(args, attention_preset(target_spec, drafter)),
     )
+    if args.fusion is not None:
+        cfg = replace(cfg, fusion_weights=_weights(args.fusion))
+    return cfg
 
 
 def read_document(path: str) -> str:
@@ -82,41 +112,57 @@ def read_document(path: str) -> str:
     return text
 
 
-def _engine(args: argparse.Namespace, with_drafter: bool):
+def document_qa(args: argparse.Namespace, with_drafter: bool = True) -> DocumentQA:
+    """Check the flags, load the models, and build the document-QA object."""
     from d3d.engine import Engine
 
-    return Engine.from_config(model_config(args), with_drafter=with_drafter)
+    mcfg = model_config(args)
+    ccfg = compression_config(args, mcfg.target)  # fails on bad flags before loading
+    engine = Engine.from_config(mcfg, with_drafter=with_drafter)
+    ccfg = compression_config(args, mcfg.target, drafter=engine.drafter)
+    return DocumentQA(engine, ccfg, template=args.template, target_spec=mcfg.target)
+
+
+def _check_questions(args: argparse.Namespace) -> list[str]:
+    questions = [q for q in args.question if q is not None]
+    if any(not q.strip() for q in questions):
+        raise ValueError("a --question is empty")
+    return questions
 
 
 def cmd_compress(args: argparse.Namespace) -> int:
     document = read_document(args.document)
-    mcfg = model_config(args)
-    ccfg = compression_config(args, mcfg.target)
-    engine = _engine(args, with_drafter=ccfg.scorer in ("drafter-attention", "drafter-ppl"))
-    comp, _ = compress_document(engine, document, args.question, ccfg, args.template)
-    text = engine.tokenizer.decode(comp.parts.context)
-    if args.json:
-        print(json.dumps({"kept_text": text, "compression": comp.to_dict()}))
-    else:
-        sys.stdout.write(text + "\n")
+    questions = _check_questions(args)
+    needs_drafter = args.scorer in ("drafter-attention", "drafter-ppl", "hybrid")
+    qa = document_qa(args, with_drafter=needs_drafter)
+    for question in questions:
+        comp = qa.compress(qa.parts(document, question))
+        text = qa.tokenizer.decode(comp.parts.context)
+        if args.json:
+            print(
+                json.dumps({"question": question, "kept_text": text, "compression": comp.to_dict()})
+            )
+        else:
+            sys.stdout.write(text + "\n")
     return 0
 
 
 def cmd_qa(args: argparse.Namespace) -> int:
     document = read_document(args.document)
-    mcfg = model_config(args)
-    ccfg = compression_config(args, mcfg.target)
+    questions = _check_questions(args)
     dcfg = decode_config(args)
-    engine = _engine(args, with_drafter=True)
-    result = answer_document(engine, document, args.question, ccfg, dcfg, args.template)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
+    qa = document_qa(args)
+    for question in questions:
+        result = qa.answer(document, question, dcfg)
+        if args.json:
+            print(json.dumps(result.to_dict()))
+            continue
         print(result.answer)
-        c = result.compression
+        c, t = result.compression, result.timings
         print(
-            f"[{c.scorer} kept {c.kept_tokens}/{c.total_tokens} tokens in {c.seconds:.2f} s; "
-            f"total {result.timings['total_s']:.2f} s]",
+            f"[{c.scorer} kept {c.kept_tokens}/{c.total_tokens} tokens; compress "
+            f"{t.compress_s:.2f} s{' (document cached)' if result.cached else ''}; "
+            f"total {t.total_s:.2f} s]",
             file=sys.stderr,
         )
     return 0
@@ -124,9 +170,11 @@ def cmd_qa(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--document", required=True, help="text file to read")
-    p.add_argument("--question", required=True, help="the question about the document")
+    p.add_argument(
+        "--question", required=True, action="append", help="a question (repeat for several)"
+    )
     p.add_argument("--template", default=QA_TEMPLATE, help="prompt with {context} and {input}")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object per question")
     add_model_args(p)
     add_compression_args(p)
 
@@ -135,7 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compress", help="keep the part of a document that matters for a question")
     _common(p)
     p.set_defaults(func=cmd_compress)
-    q = sub.add_parser("qa", help="compress a document, then answer a question about it")
+    q = sub.add_parser("qa", help="compress a document, then answer questions about it")
     _common(q)
     add_decode_args(q, default_max=64)
     q.set_defaults(func=cmd_qa)

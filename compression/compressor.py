@@ -12,7 +12,8 @@ context tokens: ``round(keep_ratio * len(context))``.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -23,26 +24,38 @@ from compression.drafter_scorers import (
     DrafterPerplexityScorer,
 )
 from compression.prompt import PromptParts, Tokenizer
-from compression.scorers import BM25Scorer, HeadTailScorer, RandomScorer, Scorer
-from compression.selection import budget, fixed_chunks, pool, select, sentence_chunks
+from compression.scorers import BM25Scorer, HeadTailScorer, HybridScorer, RandomScorer, Scorer
+from compression.selection import (
+    GRANULARITIES,
+    Chunk,
+    budget,
+    fixed_chunks,
+    pool,
+    segment,
+    select,
+)
 from d3d.drafter import D3DDrafter
 from d3d.models import DEFAULT_SPECS
 
-SCORERS = ("drafter-attention", "head-tail", "random", "bm25", "drafter-ppl")
-DRAFTER_SCORERS = ("drafter-attention", "drafter-ppl")
+SCORERS = ("hybrid", "drafter-attention", "bm25", "head-tail", "random", "drafter-ppl")
+DRAFTER_SCORERS = ("hybrid", "drafter-attention", "drafter-ppl")
+DEFAULT_SCORER = "hybrid"
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
     """How to score and select (scorer-specific settings are ignored by the other scorers)."""
 
-    scorer: str = "drafter-attention"
+    scorer: str = DEFAULT_SCORER
     keep_ratio: float = 0.1
     chunk_size: int = 32
-    granularity: str = "chunk"
+    granularity: str = "packed"
+    neighbours: int = 0
     pooling: str = "mean"
     seed: int = 0
-    attention: AttentionScoring = field(default_factory=AttentionScoring)
+    attention: AttentionScoring | None = None  # None: the preset for the target and drafter
+    fusion_weights: tuple[float, float] = (0.5, 1.0)
+    fusion_k: float = 20.0
     ppl_layers: int | None = None
 
     def __post_init__(self) -> None:
@@ -52,18 +65,25 @@ class CompressionConfig:
             raise ValueError(f"keep ratio must be in (0, 1], got {self.keep_ratio}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {self.chunk_size}")
-        if self.granularity not in ("chunk", "sentence"):
-            raise ValueError(f"granularity must be chunk or sentence, got {self.granularity!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}"
+            )
+        if self.neighbours < 0:
+            raise ValueError(f"neighbours must be >= 0, got {self.neighbours}")
+        if len(self.fusion_weights) != 2 or min(self.fusion_weights) < 0:
+            raise ValueError(f"fusion weights must be two numbers >= 0, got {self.fusion_weights}")
         if self.pooling not in ("mean", "max"):
             raise ValueError(f"pooling must be mean or max, got {self.pooling!r}")
 
 
 @dataclass(frozen=True)
 class ContextScores:
-    """One prompt's token scores [N] and the seconds the scorer took."""
+    """One prompt's token scores [N], the units they were scored with, and the seconds taken."""
 
     scores: torch.Tensor
     seconds: float
+    units: tuple[Chunk, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,19 +117,46 @@ class Compressed:
         }
 
 
-# Measured on SmolLM2-135M (the embedded default; see docs/longbench.md): layers 0-3 do not
-# find the needle (their attention follows frequent words), head 7 of layer 7 does; int8 layers
-# halve the reading time at a small loss. Calibrated on items built with other seeds than the
-# evaluation sets.
+# Measured on SmolLM2-135M (docs/longbench.md), on items built with other seeds than the
+# evaluation sets: head 7 of the target's layer 7 ranks evidence best (layers 0-3 follow frequent
+# words); the shipped 7-layer drafter's own heads, trained for drafting, rank it at chance. So
+# the embedded default reads with the first 8 target layers: through the drafter itself when the
+# drafter's layers are those frozen target layers (a gated-adapter drafter), else with a copy.
+RETRIEVAL_HEADS = ((7, 7),)
+RETRIEVAL_DEPTH = 8
 SMOLLM2_ATTENTION = AttentionScoring(
-    layers=8, reader="target", heads=((7, 7),), lookahead=False, quantize=True
+    layers=RETRIEVAL_DEPTH, reader="target", heads=RETRIEVAL_HEADS, lookahead=False, quantize=True
 )
 
 
-def attention_preset(target_spec: str) -> AttentionScoring:
-    """The attention-scorer settings for a target: the measured preset for the embedded default,
-    else the generic drafter-layer reading."""
-    return SMOLLM2_ATTENTION if target_spec.lower() in DEFAULT_SPECS else AttentionScoring()
+def reads_like_target(drafter: D3DDrafter | None, depth: int = RETRIEVAL_DEPTH) -> bool:
+    """Whether the drafter's first ``depth`` layers compute the target's (frozen, in order)."""
+    if drafter is None or getattr(drafter, "adapters", None) is None:
+        return False
+    return tuple(drafter.meta.layers[:depth]) == tuple(range(depth))
+
+
+def attention_preset(target_spec: str, drafter: D3DDrafter | None = None) -> AttentionScoring:
+    """The attention-scorer settings for a target and its drafter (see the comment above);
+    other targets read with the whole drafter, max over layers and heads."""
+    if target_spec.lower() not in DEFAULT_SPECS:
+        return AttentionScoring()
+    if reads_like_target(drafter):
+        return replace(SMOLLM2_ATTENTION, reader="drafter")
+    return SMOLLM2_ATTENTION
+
+
+def make_attention_scorer(
+    att: AttentionScoring, drafter: D3DDrafter | None, target: PreTrainedModel | None = None
+) -> DrafterAttentionScorer:
+    """The attention scorer: the drafter reads, or the target's first layers when asked."""
+    if drafter is None:
+        raise ValueError("the attention scorer needs a drafter")
+    if att.reader == "drafter":
+        return DrafterAttentionScorer.from_drafter(drafter, att)
+    if target is None:
+        raise ValueError("the attention scorer's reader is the target, and none was given")
+    return DrafterAttentionScorer(target, att, drafter.mask_embedding, drafter.block_size)
 
 
 def make_scorer(
@@ -117,24 +164,24 @@ def make_scorer(
     tokenizer: Tokenizer | None = None,
     drafter: D3DDrafter | None = None,
     target: PreTrainedModel | None = None,
+    attention: DrafterAttentionScorer | None = None,
 ) -> Scorer:
-    """Build the scorer ``cfg.scorer`` names (drafter scorers need ``drafter``; the attention
-    scorer reads with the target's first layers instead when ``cfg.attention.reader`` says so)."""
-    if cfg.scorer in DRAFTER_SCORERS and drafter is None:
+    """Build the scorer ``cfg.scorer`` names (drafter scorers need ``drafter``; ``attention``:
+    an attention scorer already built, shared instead of building another reader)."""
+    if cfg.scorer in DRAFTER_SCORERS and drafter is None and attention is None:
         raise ValueError(f"scorer {cfg.scorer!r} needs a drafter")
-    if cfg.scorer == "drafter-attention":
-        att = cfg.attention
-        source = target if att.reader == "target" else drafter.lm  # type: ignore[union-attr]
-        if source is None:
-            raise ValueError("the attention scorer's reader is the target, and none was given")
-        return DrafterAttentionScorer(
-            source,
-            att,
-            drafter.mask_embedding,
-            drafter.block_size,  # type: ignore[union-attr]
+    if cfg.scorer in ("drafter-attention", "hybrid"):
+        att = attention or make_attention_scorer(
+            cfg.attention or AttentionScoring(), drafter, target
         )
+        if cfg.scorer == "drafter-attention":
+            return att
+        if tokenizer is None:
+            raise ValueError("scorer 'hybrid' needs a tokenizer")
+        lexical = BM25Scorer(tokenizer, cfg.chunk_size)
+        return HybridScorer(att, lexical, cfg.fusion_weights, cfg.fusion_k, cfg.pooling)
     if cfg.scorer == "drafter-ppl":
-        return DrafterPerplexityScorer(drafter.lm, cfg.ppl_layers)  # type: ignore[union-attr]
+        return DrafterPerplexityScorer(drafter)  # type: ignore[arg-type]
     if cfg.scorer == "head-tail":
         return HeadTailScorer()
     if cfg.scorer == "random":
@@ -144,12 +191,19 @@ def make_scorer(
     return BM25Scorer(tokenizer, cfg.chunk_size)
 
 
+def token_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """The text of each token alone (one batched decode)."""
+    batch = getattr(tokenizer, "batch_decode", None)
+    singles = [[int(t)] for t in ids]
+    return list(batch(singles)) if batch else [tokenizer.decode(t) for t in singles]
+
+
 class Compressor:
-    """Scores a prompt's context with one scorer and keeps the best part of it."""
+    """Segments a prompt's context, scores it with one scorer and keeps the best units."""
 
     def __init__(self, scorer: Scorer, cfg: CompressionConfig, tokenizer: Tokenizer | None = None):
-        if cfg.granularity == "sentence" and tokenizer is None:
-            raise ValueError("sentence granularity needs a tokenizer")
+        if cfg.granularity != "chunk" and tokenizer is None:
+            raise ValueError(f"{cfg.granularity} granularity needs a tokenizer")
         self.scorer = scorer
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -161,27 +215,28 @@ class Compressor:
         tokenizer: Tokenizer | None = None,
         drafter: D3DDrafter | None = None,
         target: PreTrainedModel | None = None,
+        attention: DrafterAttentionScorer | None = None,
     ) -> Compressor:
-        return cls(make_scorer(cfg, tokenizer, drafter, target), cfg, tokenizer)
+        return cls(make_scorer(cfg, tokenizer, drafter, target, attention), cfg, tokenizer)
+
+    def units(self, parts: PromptParts) -> list[Chunk]:
+        """The context's units at the configured granularity."""
+        if self.cfg.granularity == "chunk":
+            return fixed_chunks(len(parts.context), self.cfg.chunk_size)
+        texts = token_texts(self.tokenizer, parts.context)  # type: ignore[arg-type]
+        return segment(texts, self.cfg.granularity, self.cfg.chunk_size)
 
     def score(self, parts: PromptParts) -> ContextScores:
+        """Segment and score (the timed, question-dependent work)."""
         t0 = time.perf_counter()
-        scores = self.scorer.score(parts)
+        units = self.units(parts)
+        scores = self.scorer.score(parts, units)
         if scores.shape != (len(parts.context),):
             raise RuntimeError(
                 f"scorer {self.scorer.name} returned shape {tuple(scores.shape)} "
                 f"for {len(parts.context)} context tokens"
             )
-        return ContextScores(scores.float().cpu(), time.perf_counter() - t0)
-
-    def _chunks(self, parts: PromptParts):
-        n = len(parts.context)
-        if self.scorer.token_level:
-            return fixed_chunks(n, 1)
-        if self.cfg.granularity == "sentence":
-            texts = [self.tokenizer.decode([t]) for t in parts.context]  # type: ignore[union-attr]
-            return sentence_chunks(texts, max_len=2 * self.cfg.chunk_size)
-        return fixed_chunks(n, self.cfg.chunk_size)
+        return ContextScores(scores.float().cpu(), time.perf_counter() - t0, tuple(units))
 
     def select(
         self, parts: PromptParts, scored: ContextScores, keep_ratio: float | None = None
@@ -192,9 +247,17 @@ class Compressor:
         n_keep = budget(n, ratio)
         if n_keep >= n:
             kept = list(range(n))
+        elif self.scorer.token_level:
+            kept = select(scored.scores, fixed_chunks(n, 1), n_keep)
         else:
-            chunks = self._chunks(parts)
-            kept = select(pool(scored.scores, chunks, self.cfg.pooling), chunks, n_keep)
+            units = list(scored.units)
+            kept = select(
+                pool(scored.scores, units, self.cfg.pooling),
+                units,
+                n_keep,
+                self.cfg.neighbours,
+                cut_last=self.cfg.granularity == "chunk",
+            )
         out = parts.with_context([parts.context[i] for i in kept])
         seconds = scored.seconds + time.perf_counter() - t0
         return Compressed(out, tuple(kept), len(parts), self.scorer.name, ratio, seconds)

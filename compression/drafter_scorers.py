@@ -1,22 +1,26 @@
 """Scorers that read the prompt with the drafter.
 
-``drafter-attention`` (the D3D way). The *reader* is the first ``layers`` layers of the drafter's
-LM (or of the target: ``reader="target"``), copied into a model of their own that shares the
-embeddings and LM head and carries the drafter's mask embedding. A layer costs about 1/30 of the
-SmolLM2 target's prefill; optional int8 dynamic quantisation of the reader's linear layers halves
-that again on CPU. How many layers are needed is an empirical question per model: for SmolLM2 the
-first 4 layers rank context at chance, head 7 of layer 7 finds evidence (docs/longbench.md).
+``drafter-attention`` (the D3D way). The *reader* is the drafter itself (``reader="drafter"``,
+the default: the shipped drafter, whatever its build, through :meth:`D3DDrafter.body`), or the
+target's first layers copied into a model of their own that shares the embeddings and LM head
+(``reader="target"``). Every forward goes through ``body``, so a drafter whose layers act
+differently at mask slots (adapters) reads the look-ahead block as it drafts.
 
-1. Prefill ``prefix + context`` with sdpa (no attention weights are materialised).
-2. Run only the final tokens on top of that cache with eager attention and
-   ``output_attentions=True``: the suffix (question, instruction tail, assistant header), and
-   optionally one appended draft block ``[anchor, MASK x (B-1)]`` as look-ahead, with a 4D mask
-   (the suffix is causal; the block sees everything and itself bidirectionally). The weights
-   from those Q queries onto the C context keys are small: [layers, heads, Q, C].
-3. Reduce over layers, heads and queries (SpecPrefill: max, max, mean), optionally smooth.
+1. *Document pass*: ``prefix + context`` through ``body`` with sdpa into a KV cache, stopping
+   after layer ``depth`` (early exit: a forward hook on that layer ends the pass; deeper layers
+   are never run). At full depth this cache is the drafter's prefill of the whole prompt.
+2. *Query pass*: the suffix (question, instruction tail, assistant header), and optionally one
+   appended draft block ``[anchor, MASK x (B-1)]`` as look-ahead, on top of that cache with eager
+   attention (4D mask: the suffix is causal; the block sees everything and itself
+   bidirectionally). Hooks on the chosen layers' attention modules catch the weights from those
+   Q queries onto the C context keys: [layers, heads, Q, C]. The query's KV is then cut off, so
+   the document pass can serve the next question (:mod:`compression.doc_cache`).
+3. Reduce over layers, heads and queries (SpecPrefill: max, max, mean), or take chosen
+   (retrieval) heads, optionally smooth.
 
-Contexts longer than the scoring window are scored in windows: each window is read after the
-same prefix and followed by the same final tokens, from position 0.
+Contexts longer than ``window`` (default: the reader's position limit) are read in windows, each
+after the same prefix and followed by the same query, from position 0; windows also make the
+document pass linear in length.
 
 ``drafter-ppl`` (LLMLingua-style self-information): the drafter's own next-token loss on each
 context token, -log q(x_i | x_<i), read in the same windows; question-agnostic.
@@ -27,6 +31,7 @@ Letters: S cached length, Q query tokens, C context tokens, H hidden, V vocab.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,12 +39,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from compression.doc_cache import DocumentCache, DocumentReading, WindowCache, content_key
 from compression.prompt import PromptParts
-from compression.selection import smooth
+from compression.selection import Chunk, smooth
 from d3d import masks
 from d3d.config import DEFAULT_BLOCK_SIZE
 from d3d.drafter import D3DDrafter
-from d3d.hf import with_cache
+from d3d.hf import trim_cache
 
 REDUCTIONS = ("max", "mean")
 
@@ -48,11 +54,13 @@ REDUCTIONS = ("max", "mean")
 class AttentionScoring:
     """Settings of the drafter-attention scorer.
 
-    ``reader``: whose first ``layers`` layers read the prompt, the drafter's LM or the target's.
-    ``heads``: (layer, head) pairs to use instead of reducing over all layers and heads.
+    ``reader``: the drafter itself, or the target's first ``layers`` layers.
+    ``layers``: how deep the document pass goes (early exit; None: down to the deepest chosen
+    head, or the whole reader). ``heads``: (layer, head) pairs to use instead of reducing over
+    all layers and heads.
     """
 
-    layers: int = 4
+    layers: int | None = None
     layer_reduce: str = "max"
     head_reduce: str = "max"
     query_reduce: str = "mean"
@@ -64,7 +72,7 @@ class AttentionScoring:
     reader: str = "drafter"
 
     def __post_init__(self) -> None:
-        if self.layers < 1:
+        if self.layers is not None and self.layers < 1:
             raise ValueError(f"score layers must be >= 1, got {self.layers}")
         for name in ("layer_reduce", "head_reduce", "query_reduce"):
             if getattr(self, name) not in REDUCTIONS:
@@ -75,11 +83,31 @@ class AttentionScoring:
             raise ValueError(f"scoring window must be >= 64 tokens, got {self.window}")
         if self.reader not in ("drafter", "target"):
             raise ValueError(f"scoring reader must be drafter or target, got {self.reader!r}")
+        if self.reader == "target" and self.layers is None:
+            raise ValueError("a target reader needs --score-layers (how many layers to copy)")
         for layer, head in self.heads or ():
-            if not 0 <= layer < self.layers or head < 0:
-                raise ValueError(
-                    f"head ({layer}, {head}) is outside the {self.layers} scoring layers"
-                )
+            if layer < 0 or head < 0 or (self.layers is not None and layer >= self.layers):
+                raise ValueError(f"head ({layer}, {head}) is outside the scoring layers")
+
+    @property
+    def depth(self) -> int | None:
+        """Layers the document pass runs (None: all of the reader's)."""
+        if self.layers is not None:
+            return self.layers
+        return max(layer for layer, _ in self.heads) + 1 if self.heads else None
+
+
+def _quantize(model: D3DDrafter) -> None:
+    """Swap the decoder layers' linear maps for dynamic int8 ones, in place (CPU only)."""
+    if model.device.type != "cpu":
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        # In place: the layers must keep sharing the model's config object, which is how the
+        # attention implementation is switched for the query pass.
+        quantize_dynamic(model.lm.model.layers, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def scoring_model(
@@ -89,29 +117,27 @@ def scoring_model(
     block_size: int = DEFAULT_BLOCK_SIZE,
     mask_embedding: torch.Tensor | None = None,
 ) -> D3DDrafter:
-    """The first ``layers`` layers of ``source`` (the drafter's LM or the target) as a model of
-    their own (own config, shared embeddings and LM head), with the drafter's mask embedding.
-
-    ``quantize`` swaps the decoder layers' linear maps for dynamic int8 ones (CPU only): about
-    2x faster prefill; embeddings and LM head stay fp32.
-    """
+    """The first ``layers`` layers of ``source`` (a target) as a model of their own (own config,
+    shared embeddings and LM head), with the drafter's mask embedding; ``quantize``: int8 linear
+    maps in its layers (about 2x faster prefill on CPU)."""
     n = len(source.model.layers)
     k = n if layers is None else min(layers, n)
     sub = D3DDrafter.from_target(source, k, block_size=block_size, base="scoring")
     if mask_embedding is not None:
         with torch.no_grad():
             sub.mask_embedding.copy_(mask_embedding)
-    if quantize and sub.device.type == "cpu":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torch.ao.quantization import quantize_dynamic
-
-            # In place: the layers must keep sharing the model's config object, which is how
-            # the attention implementation is switched for the query pass.
-            quantize_dynamic(
-                sub.lm.model.layers, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
-            )
+    if quantize:
+        _quantize(sub)
     return sub
+
+
+def quantized_copy(drafter: D3DDrafter) -> D3DDrafter:
+    """A copy of the drafter with int8 layers, still sharing the target's embeddings / LM head."""
+    shared = {id(drafter.lm.get_input_embeddings()), id(drafter.lm.get_output_embeddings())}
+    memo = {i: m for m in drafter.modules() if (i := id(m)) in shared}
+    out = copy.deepcopy(drafter, memo)
+    _quantize(out)
+    return out
 
 
 @contextlib.contextmanager
@@ -126,6 +152,50 @@ def attention_implementation(model, name: str) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(old)
+
+
+class _EarlyExit(Exception):
+    """Raised by a forward hook to end a pass after the last layer it needs."""
+
+
+@contextlib.contextmanager
+def early_exit(model: D3DDrafter, depth: int | None) -> Iterator[None]:
+    """Stop a ``body`` pass after layer ``depth - 1`` (the cache holds layers < depth)."""
+    layers = model.lm.model.layers
+    if depth is None or depth >= len(layers):
+        yield
+        return
+
+    def stop(*_):
+        raise _EarlyExit
+
+    handle = layers[depth - 1].register_forward_hook(stop)
+    try:
+        yield
+    except _EarlyExit:
+        pass
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def capture_attention(
+    model: D3DDrafter, layers: Sequence[int]
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Catch the attention weights [heads, Q, S+Q] of the given layers (eager attention)."""
+    got: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in layers:
+
+        def keep(_mod, _args, out, i=i):
+            got[i] = out[1][0]
+
+        handles.append(model.lm.model.layers[i].self_attn.register_forward_hook(keep))
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def windows(n: int, size: int) -> list[tuple[int, int]]:
@@ -157,73 +227,130 @@ class DrafterAttentionScorer:
         mask_embedding: torch.Tensor | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
     ):
-        self.cfg = cfg or AttentionScoring()
-        if self.cfg.layers > len(source.model.layers):
+        """Read with the first ``cfg.layers`` layers of ``source`` (a target model)."""
+        cfg = cfg or AttentionScoring(reader="target", layers=len(source.model.layers))
+        if cfg.layers is not None and cfg.layers > len(source.model.layers):
             raise ValueError(
-                f"score layers ({self.cfg.layers}) exceed the reader's {len(source.model.layers)} layers"
+                f"score layers ({cfg.layers}) exceed the reader's {len(source.model.layers)} layers"
             )
-        self.model = scoring_model(
-            source, self.cfg.layers, self.cfg.quantize, block_size, mask_embedding
+        self._setup(
+            scoring_model(source, cfg.layers, cfg.quantize, block_size, mask_embedding), cfg
         )
 
-    def _final_inputs(self, suffix: Sequence[int], s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings [1, Q, H] and bool mask [1, 1, Q, S + Q] of the query tokens."""
+    @classmethod
+    def from_drafter(
+        cls, drafter: D3DDrafter, cfg: AttentionScoring | None = None
+    ) -> DrafterAttentionScorer:
+        """Read with the drafter itself (an int8 copy of it when ``cfg.quantize``)."""
+        cfg = cfg or AttentionScoring()
+        n = len(drafter.lm.model.layers)
+        if (cfg.depth or n) > n:
+            raise ValueError(f"score layers ({cfg.depth}) exceed the drafter's {n} layers")
+        self = cls.__new__(cls)
+        self._setup(quantized_copy(drafter) if cfg.quantize else drafter, cfg)
+        return self
+
+    def _setup(self, model: D3DDrafter, cfg: AttentionScoring) -> None:
+        self.model = model
+        self.cfg = cfg
+        n = len(model.lm.model.layers)
+        self.depth = min(cfg.depth or n, n)
+        self.layers = sorted({i for i, _ in cfg.heads}) if cfg.heads else list(range(self.depth))
+        self.cache: DocumentCache | None = None
+        self.full_depth = self.depth == n and not cfg.quantize
+
+    # ----- the two passes ---------------------------------------------------------------------
+    def _final_inputs(self, suffix: Sequence[int], s: int):
+        """Embeddings [1, Q, H], bool mask [1, 1, Q, S + Q] and mask slots [Q] of the queries."""
         lm, dev = self.model.lm, self.model.device
         ids = torch.tensor([list(suffix)], device=dev)
         if not self.cfg.lookahead:
-            return lm.get_input_embeddings()(ids), masks.causal_mask(s, len(suffix), dev)
+            q = len(suffix)
+            slots = torch.zeros(q, dtype=torch.bool, device=dev)
+            return lm.get_input_embeddings()(ids), masks.causal_mask(s, q, dev), slots
         # The suffix's last token is the anchor of the look-ahead block, as in drafting.
         head = lm.get_input_embeddings()(ids[:, :-1])
         block = self.model.block_embeds(ids[0, -1:])
-        q_len = head.shape[1] + block.shape[1]
-        mask = masks.causal_mask(s, q_len, dev).clone()
-        mask[..., head.shape[1] :, :] = True
-        return torch.cat([head, block], dim=1), mask
+        h, q = head.shape[1], head.shape[1] + block.shape[1]
+        mask = masks.causal_mask(s, q, dev).clone()
+        mask[..., h:, :] = True
+        slots = torch.zeros(q, dtype=torch.bool, device=dev)
+        slots[h + 1 :] = True
+        return torch.cat([head, block], dim=1), mask, slots
 
     @torch.inference_mode()
+    def read_window(self, prefix: Sequence[int], ctx: Sequence[int]) -> DynamicCache:
+        """The document pass over ``prefix + ctx``: a cache of the first ``depth`` layers."""
+        dev = self.model.device
+        ids = torch.tensor([[*prefix, *ctx]], device=dev)
+        cache = DynamicCache()
+        emb = self.model.lm.get_input_embeddings()(ids)
+        pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
+        with early_exit(self.model, self.depth):
+            self.model.body(emb, pos, None, cache)
+        return cache
+
+    @torch.inference_mode()
+    def query(self, cache: DynamicCache, suffix: Sequence[int], p: int) -> torch.Tensor:
+        """The query pass on a document cache: weights [L, heads, Q, C] (cache left as it was)."""
+        s = int(cache.get_seq_length())
+        embeds, mask, slots = self._final_inputs(suffix, s)
+        q = embeds.shape[1]
+        pos = torch.arange(s, s + q, device=self.model.device).unsqueeze(0)
+        model_mask = masks.to_model_mask(mask, "eager", embeds.dtype)
+        with (
+            attention_implementation(self.model.lm, "eager"),
+            capture_attention(self.model, self.layers) as got,
+            early_exit(self.model, self.depth),
+        ):
+            self.model.body(embeds, pos, model_mask, cache, slots)
+        trim_cache(cache, q)  # every cached layer ran the query: the document pass is intact
+        return torch.stack([got[i][:, :, p:s] for i in self.layers]).float()
+
     def attention(self, parts: PromptParts, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Attention weights from the final tokens onto context[start:end]: [L, heads, Q, C]."""
-        lm, dev = self.model.lm, self.model.device
-        ctx = list(parts.context[start:end])
-        ids = torch.tensor([[*parts.prefix, *ctx]], device=dev)
-        s = ids.shape[1]
-        cache = DynamicCache()
-        lm.model(
-            input_ids=ids,
-            position_ids=torch.arange(s, device=dev).unsqueeze(0),
-            **with_cache(lm.model, cache),
-        )
-        embeds, mask = self._final_inputs(parts.suffix, s)
-        q_len = embeds.shape[1]
-        with attention_implementation(lm, "eager"):
-            out = lm.model(
-                inputs_embeds=embeds,
-                position_ids=torch.arange(s, s + q_len, device=dev).unsqueeze(0),
-                attention_mask=masks.to_model_mask(mask, "eager", embeds.dtype),
-                output_attentions=True,
-                **with_cache(lm.model, cache),
-            )
-        p = len(parts.prefix)
-        return torch.stack([a[0, :, :, p:s] for a in out.attentions]).float()
+        cache = self.read_window(parts.prefix, parts.context[start:end])
+        return self.query(cache, parts.suffix, len(parts.prefix))
 
     def reduce(self, a: torch.Tensor) -> torch.Tensor:
-        """Attention [L, heads, Q, C] -> token scores [C]."""
+        """Attention [L, heads, Q, C] (L = the hooked layers) -> token scores [C]."""
         if self.cfg.heads:
             # Chosen (retrieval) heads: mean over queries per head, then the reduction over heads.
-            picked = torch.stack([a[layer, head] for layer, head in self.cfg.heads])
+            row = {layer: j for j, layer in enumerate(self.layers)}
+            picked = torch.stack([a[row[layer], head] for layer, head in self.cfg.heads])
             return _reduce(_reduce(picked, self.cfg.query_reduce, 1), self.cfg.head_reduce, 0)
         a = _reduce(a, self.cfg.layer_reduce, 0)
         a = _reduce(a, self.cfg.head_reduce, 0)
         return _reduce(a, self.cfg.query_reduce, 0)
 
-    def score(self, parts: PromptParts) -> torch.Tensor:
+    # ----- whole documents ----------------------------------------------------------------
+    def reading_key(self, parts: PromptParts) -> str:
+        c = self.cfg
+        tag = f"{id(self.model)}|{self.depth}|{c.window}|{c.quantize}|{c.lookahead}"
+        return content_key(tag, parts.prefix, parts.context)
+
+    def read(self, parts: PromptParts) -> DocumentReading:
+        """The document pass over the whole context (windowed), from the cache when it holds it."""
+        key = self.reading_key(parts)
+        if self.cache is not None and (hit := self.cache.get(key)) is not None:
+            return hit
         extra = self.model.block_size - 1 if self.cfg.lookahead else 0
         size = _window_size(self.model, parts, extra, self.cfg.window)
-        out = []
-        for start, end in windows(len(parts.context), size):
-            if end == start:
-                continue
-            out.append(self.reduce(self.attention(parts, start, end)))
+        wins = tuple(
+            WindowCache(s, e, self.read_window(parts.prefix, parts.context[s:e]))
+            for s, e in windows(len(parts.context), size)
+            if e > s
+        )
+        reading = DocumentReading(key, tuple(parts.prefix), tuple(parts.context), wins)
+        reading = reading.with_drafter_cache(self.full_depth)
+        if self.cache is not None:
+            self.cache.put(reading)
+        return reading
+
+    def score(self, parts: PromptParts, units: Sequence[Chunk] = ()) -> torch.Tensor:
+        reading = self.read(parts)
+        p = len(parts.prefix)
+        out = [self.reduce(self.query(w.cache, parts.suffix, p)) for w in reading.windows]
         scores = torch.cat(out) if out else torch.zeros(0)
         return smooth(scores, self.cfg.smooth_kernel)
 
@@ -234,36 +361,39 @@ class DrafterPerplexityScorer:
     name = "drafter-ppl"
     token_level = False
 
-    def __init__(
-        self, source: PreTrainedModel, layers: int | None = None, window: int | None = None
-    ):
-        self.model = scoring_model(source, layers)
+    def __init__(self, model: D3DDrafter, window: int | None = None):
+        self.model = model
         self.window = window
         self.head_rows = 1024
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, layers: int | None = None):
+        return cls(scoring_model(target, layers))
 
     @torch.inference_mode()
     def _self_information(self, parts: PromptParts, start: int, end: int) -> torch.Tensor:
         lm, dev = self.model.lm, self.model.device
         ctx = list(parts.context[start:end])
         ids = torch.tensor([[*parts.prefix, *ctx]], device=dev)
-        hidden = lm.model(input_ids=ids, use_cache=False).last_hidden_state[0]  # [S, H]
+        pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
+        hidden = self.model.body(lm.get_input_embeddings()(ids), pos, None, None)[0]  # [S, H]
         p = len(parts.prefix)
         # Hidden state i predicts token i+1; the first context token is predicted from the prefix
         # (or gets the mean score when there is no prefix).
         first = max(p - 1, 0)
         h = hidden[first : p + len(ctx) - 1]
         targets = ids[0, first + 1 : p + len(ctx)]
+        head = lm.get_output_embeddings()
         info = []
         for r in range(0, h.shape[0], self.head_rows):
-            logits = lm.lm_head(h[r : r + self.head_rows]).float()
-            logp = torch.log_softmax(logits, dim=-1)
+            logp = torch.log_softmax(head(h[r : r + self.head_rows]).float(), dim=-1)
             info.append(-logp.gather(1, targets[r : r + self.head_rows, None])[:, 0])
         out = torch.cat(info) if info else torch.zeros(0)
         if p == 0 and len(ctx):
             out = torch.cat([out.mean().reshape(1) if out.numel() else torch.zeros(1), out])
         return out
 
-    def score(self, parts: PromptParts) -> torch.Tensor:
+    def score(self, parts: PromptParts, units: Sequence[Chunk] = ()) -> torch.Tensor:
         size = _window_size(self.model, parts, 0, self.window)
         out = [
             self._self_information(parts, s, e)

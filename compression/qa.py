@@ -1,19 +1,37 @@
 """Document question answering: compress the document, then answer with the engine.
 
-The library entry point behind ``d3d qa`` (and the web app's ``/qa``): the document is the
+:class:`DocumentQA` is the one object ``d3d qa``, the LongBench sweep and the web service hold:
+it owns an engine, builds each compressor once (every drafter-reading scorer shares one
+attention reader) and owns the :class:`~compression.doc_cache.DocumentCache`, so a second
+question about the same document skips the reader's document pass. The document is the
 context of a prompt template, the question its ``{input}``; the compressor keeps ``keep_ratio``
 of the document's tokens, instruction and question whole; the target then answers from the kept
-prompt with the engine's decoding mode (speculative ``sync`` by default, lossless). Timings are
-per stage and end to end.
+prompt with the engine's decoding mode (lossless).
+
+Timings (:class:`Timings`) are per stage, and ``total_s`` has one definition everywhere: the
+sum of tokenising, compressing (segmentation, scoring, selection), the target's prefill and
+decoding, with models already loaded. A lock serialises requests: the reader's query pass
+switches the reader's attention implementation and writes to a shared document cache.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 
-from compression.compressor import DRAFTER_SCORERS, Compressed, CompressionConfig, Compressor
-from compression.prompt import build_parts
+from compression.compressor import (
+    DRAFTER_SCORERS,
+    Compressed,
+    CompressionConfig,
+    Compressor,
+    attention_preset,
+    make_attention_scorer,
+)
+from compression.doc_cache import DocumentCache
+from compression.drafter_scorers import DrafterAttentionScorer
+from compression.prompt import PromptParts, build_parts
 from d3d.config import DecodeConfig
 from d3d.engine import Engine
 
@@ -25,73 +43,176 @@ QA_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class Timings:
+    """Seconds per stage of one answer; ``total_s`` is their sum (see the module docstring)."""
+
+    tokenize_s: float = 0.0
+    compress_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.tokenize_s + self.compress_s + self.prefill_s + self.decode_s
+
+    def to_dict(self) -> dict:
+        out = {k: round(v, 4) for k, v in asdict(self).items()}
+        out["total_s"] = round(self.total_s, 4)
+        return out
+
+
+@dataclass(frozen=True)
 class QAResult:
     """An answer, what compression kept, the decode statistics and the stage timings."""
 
     answer: str
+    question: str
     compression: Compressed
     speculative: dict
-    timings: dict
+    timings: Timings
+    cached: bool = False
 
     def to_dict(self) -> dict:
+        comp = self.compression.to_dict()
+        comp["document_cached"] = self.cached
         return {
+            "question": self.question,
             "answer": self.answer,
-            "compression": self.compression.to_dict(),
+            "compression": comp,
             "speculative": self.speculative,
-            "timings": self.timings,
+            "timings": self.timings.to_dict(),
         }
 
 
-def compress_document(
-    engine: Engine,
-    document: str,
-    question: str,
-    cfg: CompressionConfig,
-    template: str = QA_TEMPLATE,
-    chat_template: bool = True,
-) -> tuple[Compressed, float]:
-    """Compress ``document`` for ``question``; returns the result and the tokenising seconds."""
-    if not document.strip():
-        raise ValueError("the document is empty")
-    if not question.strip():
-        raise ValueError("the question is empty")
-    t0 = time.perf_counter()
-    parts = build_parts(
-        engine.tokenizer, template, document, chat_template=chat_template, input=question
-    )
-    tokenize_s = time.perf_counter() - t0
-    if cfg.scorer in DRAFTER_SCORERS and engine.drafter is None:
-        raise ValueError(f"scorer {cfg.scorer!r} needs a drafter")
-    comp = Compressor.build(cfg, engine.tokenizer, engine.drafter, engine.target.model)
-    return comp.compress(parts), tokenize_s
+class DocumentQA:
+    """An engine, its compressors (built once) and the document cache; see the module docstring.
 
+    ``cfg`` gives the default scorer, keep ratio and segmentation; ``cfg.attention=None`` takes
+    the measured preset for the engine's target and drafter.
+    """
 
-def answer_document(
-    engine: Engine,
-    document: str,
-    question: str,
-    cfg: CompressionConfig,
-    dcfg: DecodeConfig,
-    template: str = QA_TEMPLATE,
-) -> QAResult:
-    """Compress, then answer (see the module docstring)."""
-    t0 = time.perf_counter()
-    comp, tokenize_s = compress_document(
-        engine, document, question, cfg, template, dcfg.chat_template
-    )
-    window = getattr(engine.target.model.config, "max_position_embeddings", None)
-    if window and comp.kept_tokens + dcfg.max_new_tokens + dcfg.block_size > window:
-        raise ValueError(
-            f"the kept prompt ({comp.kept_tokens} tokens) does not fit the target's "
-            f"{window}-token window: lower --keep"
+    def __init__(
+        self,
+        engine: Engine,
+        cfg: CompressionConfig | None = None,
+        cache: DocumentCache | None = None,
+        template: str = QA_TEMPLATE,
+        target_spec: str | None = None,
+    ):
+        self.engine = engine
+        cfg = cfg or CompressionConfig()
+        if cfg.attention is None:
+            spec = target_spec or engine.target.spec
+            cfg = replace(cfg, attention=attention_preset(spec, engine.drafter))
+        self.cfg = cfg
+        self.cache = cache if cache is not None else DocumentCache()
+        self.template = template
+        self._attention: DrafterAttentionScorer | None = None
+        self._compressors: dict[str, Compressor] = {}
+        self.lock = threading.RLock()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def attention(self) -> DrafterAttentionScorer:
+        """The one attention reader (built on first use), wired to the document cache."""
+        if self._attention is None:
+            att = make_attention_scorer(
+                self.cfg.attention, self.engine.drafter, self.engine.target.model
+            )
+            att.cache = self.cache
+            self._attention = att
+        return self._attention
+
+    def compressor(self, scorer: str | None = None) -> Compressor:
+        """The compressor for ``scorer`` (default: the configured one), built once."""
+        name = scorer or self.cfg.scorer
+        if name not in self._compressors:
+            cfg = replace(self.cfg, scorer=name)
+            if name in DRAFTER_SCORERS and self.engine.drafter is None:
+                raise ValueError(f"scorer {name!r} needs a drafter")
+            shared = self.attention() if name in ("drafter-attention", "hybrid") else None
+            self._compressors[name] = Compressor.build(
+                cfg, self.tokenizer, self.engine.drafter, self.engine.target.model, shared
+            )
+        return self._compressors[name]
+
+    def parts(
+        self, document: str, question: str, template: str | None = None, chat_template: bool = True
+    ) -> PromptParts:
+        if not document.strip():
+            raise ValueError("the document is empty")
+        if not question.strip():
+            raise ValueError("the question is empty")
+        return build_parts(
+            self.tokenizer,
+            template or self.template,
+            document,
+            chat_template=chat_template,
+            input=question,
         )
-    gen = engine.generate_ids(comp.parts.ids, dcfg)
-    st = gen.stats
-    timings = {
-        "tokenize_s": round(tokenize_s, 4),
-        "compress_s": round(comp.seconds, 4),
-        "prefill_s": round(st.prefill_seconds, 4),
-        "decode_s": round(st.decode_seconds, 4),
-        "total_s": round(time.perf_counter() - t0, 4),
-    }
-    return QAResult(gen.text.strip(), comp, st.to_dict(), timings)
+
+    def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:
+        """Whether the reader's pass over this document is in the cache."""
+        name = scorer or self.cfg.scorer
+        if name not in ("drafter-attention", "hybrid") or self._attention is None:
+            return False
+        return self._attention.reading_key(parts) in self.cache
+
+    def compress(
+        self, parts: PromptParts, keep_ratio: float | None = None, scorer: str | None = None
+    ) -> Compressed:
+        with self.lock:
+            return self.compressor(scorer).compress(parts, keep_ratio)
+
+    def answer_parts(
+        self,
+        parts: PromptParts,
+        dcfg: DecodeConfig,
+        keep_ratio: float | None = None,
+        scorer: str | None = None,
+        tokenize_s: float = 0.0,
+        question: str = "",
+    ) -> QAResult:
+        """Compress prepared parts and answer (the sweep's entry point)."""
+        with self.lock:
+            cached = self.is_cached(parts, scorer)
+            comp = self.compress(parts, keep_ratio, scorer)
+            window = getattr(self.engine.target.model.config, "max_position_embeddings", None)
+            if window and comp.kept_tokens + dcfg.max_new_tokens + dcfg.block_size > window:
+                raise ValueError(
+                    f"the kept prompt ({comp.kept_tokens} tokens) does not fit the target's "
+                    f"{window}-token window: lower --keep"
+                )
+            gen = self.engine.generate_ids(comp.parts.ids, dcfg)
+        st = gen.stats
+        timings = Timings(tokenize_s, comp.seconds, st.prefill_seconds, st.decode_seconds)
+        return QAResult(gen.text.strip(), question, comp, st.to_dict(), timings, cached)
+
+    def answer(
+        self,
+        document: str,
+        question: str,
+        dcfg: DecodeConfig,
+        keep_ratio: float | None = None,
+        scorer: str | None = None,
+        template: str | None = None,
+    ) -> QAResult:
+        """Compress ``document`` for ``question``, then answer."""
+        t0 = time.perf_counter()
+        parts = self.parts(document, question, template, dcfg.chat_template)
+        tokenize_s = time.perf_counter() - t0
+        return self.answer_parts(parts, dcfg, keep_ratio, scorer, tokenize_s, question)
+
+    def answer_all(
+        self,
+        document: str,
+        questions: Sequence[str],
+        dcfg: DecodeConfig,
+        keep_ratio: float | None = None,
+        scorer: str | None = None,
+        template: str | None = None,
+    ) -> list[QAResult]:
+        """Several questions about one document (the reader reads it once)."""
+        return [self.answer(document, q, dcfg, keep_ratio, scorer, template) for q in questions]

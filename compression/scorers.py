@@ -1,7 +1,7 @@
 """The scorer interface and the model-free baselines.
 
 A scorer maps a prompt's parts to one score per context token (higher = more worth keeping):
-``score(parts) -> [N]`` with N = ``len(parts.context)``. Selection (:mod:`compression.selection`)
+``score(parts, units) -> [N]`` with N = ``len(parts.context)``. Selection (:mod:`compression.selection`)
 is shared by all scorers, so they differ only in what they rank. ``token_level`` scorers are
 selected token by token instead of per chunk.
 
@@ -9,11 +9,11 @@ Baselines here:
 
 - ``head-tail``: LongBench's truncation rule at the same budget (first half and last half of the
   kept tokens), as scores that fall with the distance to the nearer end of the context.
-- ``random``: seeded uniform chunk scores.
-- ``bm25``: Okapi BM25 of each chunk's words against the question's words, the chunks of the
+- ``random``: seeded uniform unit scores.
+- ``bm25``: Okapi BM25 of each unit's words against the question's words, the units of the
   context being the corpus (k1 = 1.5, b = 0.75).
-
-The drafter-based scorers live in :mod:`compression.drafter_scorers`.
+- ``hybrid``: drafter attention and BM25 fused by weighted reciprocal rank fusion per unit
+  (the attention scorer is passed in; it lives in :mod:`compression.drafter_scorers`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from compression.prompt import PromptParts, Tokenizer
-from compression.selection import fixed_chunks
+from compression.selection import Chunk, fixed_chunks, pool, spread
 
 WORD = re.compile(r"\w+", re.UNICODE)
 STOPWORDS = frozenset(
@@ -80,12 +80,16 @@ STOPWORDS = frozenset(
 
 @runtime_checkable
 class Scorer(Protocol):
-    """Ranks context tokens: ``score(parts)`` -> float tensor [N], N = len(parts.context)."""
+    """Ranks context tokens: ``score(parts, units)`` -> float tensor [N], N = len(parts.context).
+
+    ``units`` is the compressor's segmentation of the context; scorers that rank units (BM25,
+    random, hybrid) score those, token scorers (attention, head-tail) may ignore it.
+    """
 
     name: str
     token_level: bool
 
-    def score(self, parts: PromptParts) -> torch.Tensor: ...
+    def score(self, parts: PromptParts, units: Sequence[Chunk]) -> torch.Tensor: ...
 
 
 class HeadTailScorer:
@@ -94,7 +98,7 @@ class HeadTailScorer:
     name = "head-tail"
     token_level = True
 
-    def score(self, parts: PromptParts) -> torch.Tensor:
+    def score(self, parts: PromptParts, units: Sequence[Chunk] = ()) -> torch.Tensor:
         n = len(parts.context)
         i = torch.arange(n, dtype=torch.float32)
         # The head wins ties (i <= n-1-i), so an odd budget keeps one more head token.
@@ -102,7 +106,7 @@ class HeadTailScorer:
 
 
 class RandomScorer:
-    """Seeded random chunk scores: every token of a chunk shares its chunk's draw."""
+    """Seeded random unit scores: every token of a unit shares its unit's draw."""
 
     name = "random"
     token_level = False
@@ -111,14 +115,11 @@ class RandomScorer:
         self.seed = seed
         self.chunk_size = chunk_size
 
-    def score(self, parts: PromptParts) -> torch.Tensor:
+    def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
         n = len(parts.context)
+        units = units if units is not None else fixed_chunks(n, self.chunk_size)
         gen = torch.Generator().manual_seed(self.seed + n)
-        chunks = fixed_chunks(n, self.chunk_size)
-        draws = torch.rand(len(chunks), generator=gen)
-        return torch.repeat_interleave(
-            draws, torch.tensor([len(c) for c in chunks], dtype=torch.long)
-        )
+        return spread(torch.rand(len(units), generator=gen), units)
 
 
 def words(text: str) -> list[str]:
@@ -148,8 +149,15 @@ def bm25(
     return out
 
 
+def unit_texts(tokenizer: Tokenizer, parts: PromptParts, units: Sequence[Chunk]) -> list[str]:
+    """The text of each unit (one batched decode)."""
+    ids = [list(parts.context[c.start : c.end]) for c in units]
+    batch = getattr(tokenizer, "batch_decode", None)
+    return list(batch(ids)) if batch else [tokenizer.decode(i) for i in ids]
+
+
 class BM25Scorer:
-    """BM25 of fixed chunks of the context against the question (the suffix text)."""
+    """BM25 of each unit of the context against the question (the suffix text)."""
 
     name = "bm25"
     token_level = False
@@ -158,10 +166,67 @@ class BM25Scorer:
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
 
-    def score(self, parts: PromptParts) -> torch.Tensor:
-        chunks = fixed_chunks(len(parts.context), self.chunk_size)
-        docs = [words(self.tokenizer.decode(parts.context[c.start : c.end])) for c in chunks]
+    def unit_scores(self, parts: PromptParts, units: Sequence[Chunk]) -> torch.Tensor:
+        """BM25 per unit: [C]."""
+        docs = [words(t) for t in unit_texts(self.tokenizer, parts, units)]
         query = words(self.tokenizer.decode(parts.suffix))
-        scores = torch.tensor(bm25(query, docs), dtype=torch.float32)
-        lengths = torch.tensor([len(c) for c in chunks], dtype=torch.long)
-        return torch.repeat_interleave(scores, lengths) if len(chunks) else torch.zeros(0)
+        return torch.tensor(bm25(query, docs), dtype=torch.float32)
+
+    def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
+        units = units if units is not None else fixed_chunks(len(parts.context), self.chunk_size)
+        return spread(self.unit_scores(parts, units), units)
+
+
+def rank_fusion(
+    scores: Sequence[torch.Tensor], weights: Sequence[float], k: float = 20.0
+) -> torch.Tensor:
+    """Weighted reciprocal rank fusion of unit scores [C] each -> [C].
+
+    A unit's fused score is sum_s w_s / (k + rank_s), rank 1 = best. A unit scoring <= 0 under a
+    component that scores evidence positively (BM25: no question word) gets nothing from it, so
+    ties among non-matching units do not hand out rank credit. Ties share the better rank.
+    """
+    c = scores[0].numel()
+    fused = torch.zeros(c)
+    for s, w in zip(scores, weights, strict=True):
+        s = s.float()
+        order = torch.argsort(-s, stable=True)
+        rank = torch.empty(c)
+        rank[order] = torch.arange(1, c + 1, dtype=torch.float32)
+        for v in s.unique():  # equal scores share the best rank among them
+            tie = s == v
+            rank[tie] = rank[tie].min()
+        fused += w / (k + rank) * (s > 0).float()
+    return fused
+
+
+class HybridScorer:
+    """Drafter attention fused with BM25 by weighted reciprocal rank fusion, per unit.
+
+    The attention scorer's token scores are pooled per unit (``pooling``) and ranked; BM25 ranks
+    the units that share words with the question. Attention scores are positive (softmax
+    weights), so every unit gets an attention rank.
+    """
+
+    name = "hybrid"
+    token_level = False
+
+    def __init__(
+        self,
+        attention: Scorer,
+        lexical: BM25Scorer,
+        weights: tuple[float, float] = (1.0, 1.0),
+        k: float = 20.0,
+        pooling: str = "mean",
+    ):
+        self.attention = attention
+        self.lexical = lexical
+        self.weights = weights
+        self.k = k
+        self.pooling = pooling
+
+    def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
+        units = units if units is not None else fixed_chunks(len(parts.context), 32)
+        att = pool(self.attention.score(parts, units), units, self.pooling)
+        lex = self.lexical.unit_scores(parts, units)
+        return spread(rank_fusion([att, lex], self.weights, self.k), units)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from compression.cli import add_compression_args, compression_config
 from d3d.cli import add_model_args, model_config
+from d3d.config import MODES
 from eval.longbench.data import DEFAULT_LOCAL, load_longbench, take_per_dataset
 from eval.longbench.report import write_report
-from eval.longbench.runner import RECORDS, Sweep, SweepConfig, read_records
+from eval.longbench.runner import DEFAULT_MODE, RECORDS, Sweep, SweepConfig, read_records
 
 log = logging.getLogger(__name__)
 LONGBENCH_DEFAULT = ("qasper", "multifieldqa_en", "hotpotqa", "narrativeqa")
@@ -56,6 +57,10 @@ def load_items(args: argparse.Namespace, tokenizer) -> list:
     return items
 
 
+def argv_is_cli() -> bool:
+    return len(sys.argv) > 3 and sys.argv[1:3] == ["eval", "longbench"]
+
+
 def cmd_longbench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     report_dir = Path(args.report_dir or out)
@@ -65,19 +70,34 @@ def cmd_longbench(args: argparse.Namespace) -> int:
         from d3d.engine import Engine
 
         mcfg = model_config(args)
-        cfg = SweepConfig(
-            keep_ratios=_floats(args.keep),
-            scorers=_names(args.scorers),
-            modes=_names(args.modes),
-            compression=compression_config(args, mcfg.target, with_keep=False),
-            max_length=args.max_length,
-        )
+
+        def sweep_config(drafter=None) -> SweepConfig:
+            return SweepConfig(
+                keep_ratios=_floats(args.keep),
+                scorers=_names(args.scorers),
+                modes=_names(args.modes),
+                compression=compression_config(args, mcfg.target, False, drafter),
+                max_length=args.max_length,
+                max_new_tokens=args.max_new_tokens,
+            )
+
+        sweep_config()  # bad flags fail before the models load
         engine = Engine.from_config(mcfg, with_drafter=True)
+        cfg = sweep_config(engine.drafter)
         items = load_items(args, engine.tokenizer)
-        sweep = Sweep(engine, cfg, out)
-        meta = {"sweep": asdict(cfg), "models": asdict(mcfg), "items": len(items)}
+        sweep = Sweep(engine, cfg, out, target_spec=mcfg.target)
+        meta = {
+            "command": "d3d eval longbench " + " ".join(sys.argv[3:] if argv_is_cli() else []),
+            "sweep": asdict(cfg),
+            "models": asdict(mcfg),
+            "items": len(items),
+        }
         (out / "config.json").write_text(json.dumps(meta, indent=2, default=str))
-        n = sweep.run(items, progress=lambda total: tqdm(total=total, file=sys.stderr))
+        n = sweep.run(
+            items,
+            progress=lambda total: tqdm(total=total, file=sys.stderr),
+            budget_s=args.budget_s,
+        )
         log.info("%d new records in %s", n, out / RECORDS)
     records = read_records(out / RECORDS)
     if not records:
@@ -96,12 +116,12 @@ def add_longbench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="2,4,8", help="offline sizes in k tokens")
     p.add_argument("--per-size", type=int, default=4, help="offline items per set and size")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the offline sets")
-    p.add_argument("--keep", default="1.0,0.5,0.2,0.1", help="keep ratios")
-    p.add_argument(
-        "--scorers", default="drafter-attention,head-tail,random,bm25,drafter-ppl", help="scorers"
-    )
-    p.add_argument("--modes", default="ar", help="decode modes (ar, sync)")
+    p.add_argument("--keep", default="1.0,0.5,0.2,0.1,0.05", help="keep ratios")
+    p.add_argument("--scorers", default=",".join(SweepConfig().scorers), help="scorers")
+    p.add_argument("--modes", default=DEFAULT_MODE, help=f"decode modes ({', '.join(MODES)})")
     p.add_argument("--max-length", type=int, default=None, help="prompt token limit (truncation)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="cap on answer lengths")
+    p.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--out", default="runs/longbench", help="records folder (resumable)")
     p.add_argument("--report-dir", default=None, help="where the report goes (default --out)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report")

@@ -123,7 +123,7 @@ def test_quantized_reader_runs_and_stays_close():
 def test_perplexity_scorer_is_self_information(kind):
     model = tiny_model(kind)
     parts = sample_parts()
-    scorer = DrafterPerplexityScorer(model, layers=2)
+    scorer = DrafterPerplexityScorer.from_target(model, layers=2)
     scorer.head_rows = 7  # exercise the chunked LM head
     got = scorer.score(parts)
     ref = D3DDrafter.from_target(model, 2).lm
@@ -138,12 +138,21 @@ def test_perplexity_scorer_is_self_information(kind):
 def test_make_scorer_readers_and_errors():
     target = tiny_model(layers=3)
     drafter = D3DDrafter.from_target(target, 1)
-    cfg = CompressionConfig(attention=AttentionScoring(layers=2, reader="target"))
+    cfg = CompressionConfig(
+        scorer="drafter-attention", attention=AttentionScoring(layers=2, reader="target")
+    )
     scorer = make_scorer(cfg, drafter=drafter, target=target)
     assert len(scorer.model.lm.model.layers) == 2  # the target's layers, not the drafter's one
     torch.testing.assert_close(scorer.model.mask_embedding, drafter.mask_embedding)
+    with pytest.raises(ValueError):  # the drafter has one layer: it cannot read two deep
+        make_scorer(
+            CompressionConfig("drafter-attention", attention=AttentionScoring(layers=2)),
+            drafter=drafter,
+        )
+    with pytest.raises(ValueError):  # hybrid needs a tokenizer for its BM25 half
+        make_scorer(CompressionConfig("hybrid"), drafter=drafter)
     with pytest.raises(ValueError):
-        make_scorer(CompressionConfig(attention=AttentionScoring(layers=2)), drafter=drafter)
+        AttentionScoring(reader="target")  # a target reader needs a depth
     with pytest.raises(ValueError):
         make_scorer(CompressionConfig(scorer="drafter-ppl"))
     with pytest.raises(ValueError):
@@ -155,7 +164,10 @@ def test_compressor_with_drafter_scorers_keeps_budget_and_order(name):
     target = tiny_model()
     drafter = D3DDrafter.from_target(target, 2)
     cfg = CompressionConfig(
-        scorer=name, chunk_size=8, attention=AttentionScoring(layers=2, lookahead=True)
+        scorer=name,
+        chunk_size=8,
+        granularity="chunk",
+        attention=AttentionScoring(layers=2, lookahead=True),
     )
     comp = Compressor.build(cfg, drafter=drafter, target=target)
     parts = sample_parts(100)
@@ -174,3 +186,52 @@ def test_calibration_rank_fraction():
     assert rank_fraction(scores, (64, 80)) == 0.0
     scores[5] = 10.0  # now chunk 0 beats it
     assert rank_fraction(scores, (64, 80)) == 0.25
+
+
+def test_drafter_reader_reads_through_body_with_early_exit_and_reuses_its_pass():
+    target = tiny_model(layers=3)
+    drafter = D3DDrafter.from_target(target, 3)
+    calls = []
+    body = drafter.body
+    drafter.body = lambda *a, **k: calls.append(1) or body(*a, **k)  # type: ignore[method-assign]
+    parts = sample_parts()
+    shallow = DrafterAttentionScorer.from_drafter(
+        drafter, AttentionScoring(heads=((1, 2),), lookahead=False)
+    )
+    assert shallow.depth == 2 and not shallow.full_depth
+    reading = shallow.read(parts)
+    assert len(reading.windows[0].cache.layers) == 2  # layer 2 never ran
+    assert not reading.drafter_cache
+    # the drafter's first two layers read exactly as the target's first two layers do
+    ref = DrafterAttentionScorer(
+        target, AttentionScoring(layers=2, reader="target", lookahead=False)
+    )
+    torch.testing.assert_close(
+        shallow.attention(parts)[0, 2], ref.attention(parts)[1, 2], atol=1e-5, rtol=1e-4
+    )
+    assert calls  # every forward went through D3DDrafter.body
+    # a cached document pass gives the same scores; a second question reuses it
+    from compression.doc_cache import DocumentCache
+
+    full = DrafterAttentionScorer.from_drafter(drafter, AttentionScoring())
+    full.cache = DocumentCache()
+    first = full.score(parts)
+    n_calls = len(calls)
+    again = full.score(parts)
+    torch.testing.assert_close(first, again)
+    assert len(calls) == n_calls + 1  # the query pass only
+    other = PromptParts(parts.prefix, parts.context, (80, 81))
+    assert full.score(other).shape == (50,) and full.cache.stats()["hits"] == 2
+    reading = full.read(parts)
+    assert reading.drafter_cache and reading.windows[0].cache.get_seq_length() == 53
+
+
+def test_quantized_copy_of_the_drafter_leaves_the_drafter_alone():
+    target = tiny_model(layers=2)
+    drafter = D3DDrafter.from_target(target, 2)
+    before = drafter.lm.model.layers[0].self_attn.q_proj
+    scorer = DrafterAttentionScorer.from_drafter(drafter, AttentionScoring(quantize=True))
+    assert drafter.lm.model.layers[0].self_attn.q_proj is before
+    assert scorer.model is not drafter
+    assert scorer.model.lm.get_input_embeddings() is drafter.lm.get_input_embeddings()
+    assert scorer.score(sample_parts()).shape == (50,)

@@ -6,13 +6,24 @@ import pytest
 import torch
 
 from compression.compressor import CompressionConfig, Compressor
+from compression.doc_cache import DocumentCache, DocumentReading, WindowCache, content_key
 from compression.prompt import PromptParts, build_parts, middle_truncate
-from compression.scorers import BM25Scorer, HeadTailScorer, RandomScorer, bm25, words
+from compression.scorers import (
+    BM25Scorer,
+    HeadTailScorer,
+    HybridScorer,
+    RandomScorer,
+    bm25,
+    rank_fusion,
+    words,
+)
 from compression.selection import (
     Chunk,
     budget,
     fixed_chunks,
+    packed_chunks,
     pool,
+    segment,
     select,
     sentence_chunks,
     smooth,
@@ -40,7 +51,7 @@ class FixedScorer:
     def __init__(self, scores):
         self.scores = torch.tensor(scores, dtype=torch.float32)
 
-    def score(self, parts):
+    def score(self, parts, units=()):
         return self.scores
 
 
@@ -77,6 +88,29 @@ def test_sentence_chunks_split_at_ends_and_cap_length():
     assert chunks[-1].end == len(texts)
 
 
+def test_sentences_do_not_end_inside_numbers_and_end_at_lines():
+    texts = ["Pi", " is", " 3", ".", "14", ".", " Next", ' one."', " x", "\n", "code", "()"]
+    assert sentence_chunks(texts) == [Chunk(0, 6), Chunk(6, 8), Chunk(8, 10), Chunk(10, 12)]
+
+
+def test_packed_chunks_keep_sentences_whole():
+    # sentences of 5, 3, 6 and 40 characters (one token each)
+    text = "Abcd." + "Ef." + "Ghijk." + "L" * 39 + "."
+    texts = [c + " " if c == "." else c for c in text]
+    sentences = sentence_chunks(texts, max_len=1000)
+    assert [len(c) for c in sentences] == [5, 3, 6, 40]
+    packed = packed_chunks(texts, size=10)
+    assert packed[:2] == [Chunk(0, 8), Chunk(8, 14)]  # 5+3 fit in 10, the 6 goes on alone
+    assert all(len(c) <= 10 for c in packed) and packed[-1].end == len(texts)
+    assert sum(len(c) for c in packed) == len(texts)
+    for c in packed[:2]:  # no packed unit cuts a sentence that fits
+        assert any(s.start == c.start for s in sentences)
+        assert any(s.end == c.end for s in sentences)
+    assert segment(texts, "chunk", 10) == fixed_chunks(len(texts), 10)
+    with pytest.raises(ValueError):
+        segment(texts, "page", 10)
+
+
 def test_smooth_and_pool():
     x = torch.tensor([0.0, 3.0, 0.0, 0.0])
     assert torch.allclose(smooth(x, 1), x)
@@ -91,7 +125,7 @@ def test_smooth_and_pool():
 def test_select_keeps_best_chunks_in_order_and_exact_budget():
     chunks = fixed_chunks(10, 3)  # [0,3) [3,6) [6,9) [9,10)
     scores = torch.tensor([0.1, 0.9, 0.5, 0.2])
-    kept = select(scores, chunks, 5)
+    kept = select(scores, chunks, 5, cut_last=True)
     assert kept == [3, 4, 5, 6, 7]  # best chunk whole, the next one cut to its head
     assert kept == sorted(kept)
     assert select(scores, chunks, 0) == []
@@ -100,11 +134,28 @@ def test_select_keeps_best_chunks_in_order_and_exact_budget():
     assert select(torch.tensor([float("nan"), 1.0, 1.0, 0.0]), chunks, 3) == [3, 4, 5]
 
 
+def test_select_never_cuts_a_unit_and_fills_with_the_next_that_fits():
+    chunks = fixed_chunks(10, 3)  # [0,3) [3,6) [6,9) [9,10)
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.2])
+    # the 2nd best [6,9) does not fit in the 2 tokens left: the 1-token [9,10) does
+    assert select(scores, chunks, 5) == [3, 4, 5, 9]
+
+
+def test_select_extends_chosen_units_to_their_neighbours():
+    chunks = fixed_chunks(20, 2)  # ten units
+    scores = torch.zeros(10)
+    scores[5], scores[1] = 2.0, 1.0
+    assert select(scores, chunks, 6) == [0, 1, 2, 3, 10, 11]  # units 5, 1, then 0 (a tie)
+    with_nb = select(scores, chunks, 6, neighbours=1)
+    assert with_nb == [8, 9, 10, 11, 12, 13]  # unit 5 and its two neighbours, before unit 1
+
+
 def test_compressor_keeps_prefix_and_suffix_and_budget():
     parts = parts_of(100)
     scores = [0.0] * 100
     scores[40:48] = [5.0] * 8
-    comp = Compressor(FixedScorer(scores), CompressionConfig(scorer="random", chunk_size=8))
+    cfg = CompressionConfig(scorer="random", chunk_size=8, granularity="chunk")
+    comp = Compressor(FixedScorer(scores), cfg)
     out = comp.compress(parts, 0.08)
     assert out.parts.prefix == parts.prefix and out.parts.suffix == parts.suffix
     assert out.kept == tuple(range(40, 48))
@@ -118,7 +169,9 @@ def test_compressor_keeps_prefix_and_suffix_and_budget():
 
 
 def test_compressor_checks_scorer_shape():
-    comp = Compressor(FixedScorer([1.0, 2.0]), CompressionConfig(scorer="random"))
+    comp = Compressor(
+        FixedScorer([1.0, 2.0]), CompressionConfig(scorer="random", granularity="chunk")
+    )
     with pytest.raises(RuntimeError):
         comp.compress(parts_of(10), 0.5)
 
@@ -132,6 +185,8 @@ def test_compressor_checks_scorer_shape():
         {"chunk_size": 0},
         {"granularity": "page"},
         {"pooling": "median"},
+        {"neighbours": -1},
+        {"fusion_weights": (1.0, -1.0)},
     ],
 )
 def test_compression_config_rejects_bad_values(kwargs):
@@ -141,7 +196,8 @@ def test_compression_config_rejects_bad_values(kwargs):
 
 def test_head_tail_matches_longbench_truncation():
     parts = parts_of(20)
-    comp = Compressor(HeadTailScorer(), CompressionConfig(scorer="head-tail", chunk_size=4))
+    cfg = CompressionConfig(scorer="head-tail", chunk_size=4, granularity="chunk")
+    comp = Compressor(HeadTailScorer(), cfg)
     out = comp.compress(parts, 0.3)  # 6 tokens: first 3 and last 3
     assert out.kept == (0, 1, 2, 17, 18, 19)
 
@@ -164,6 +220,64 @@ def test_bm25_prefers_the_chunk_with_question_words():
     scores = BM25Scorer(tok, chunk_size=16).score(parts)
     assert scores.shape == (48,)
     assert scores[16:32].min() > scores[:16].max()
+    units = [Chunk(0, 20), Chunk(20, 48)]  # the compressor's units, when given, are scored
+    by_unit = BM25Scorer(tok).score(parts, units)
+    assert torch.all(by_unit[:20] == by_unit[0]) and by_unit[20] > by_unit[0]
+
+
+def test_rank_fusion_rewards_agreement_and_ignores_non_matches():
+    att = torch.tensor([0.9, 0.1, 0.5, 0.3])
+    lex = torch.tensor([0.0, 2.0, 1.0, 0.0])
+    fused = rank_fusion([att, lex], [1.0, 1.0], k=3.0)
+    # unit 2 is 2nd under both, unit 0 1st under attention only, unit 1 1st under BM25 only
+    assert fused.argmax() == 2
+    assert fused[0] == pytest.approx(1 / 4) and fused[1] == pytest.approx(1 / 7 + 1 / 4)
+    assert fused[3] == pytest.approx(1 / 6)  # no BM25 credit for a zero score
+    ties = rank_fusion([torch.tensor([1.0, 1.0, 0.5])], [1.0], k=0.0)
+    assert ties.tolist() == [1.0, 1.0, pytest.approx(1 / 3)]
+
+
+def test_hybrid_scorer_fuses_attention_and_bm25_per_unit():
+    tok = CharTokenizer()
+    context = "aaaa. " * 4 + "zzz paprika. " + "bbbb. " * 4
+    parts = PromptParts((), tuple(tok(context)["input_ids"]), tuple(tok("paprika?")["input_ids"]))
+    units = sentence_chunks([tok.decode([t]) for t in parts.context])
+    att = torch.zeros(len(parts.context))
+    att[units[-1].start : units[-1].end] = 1.0  # attention likes the last sentence only
+    hybrid = HybridScorer(FixedScorer(att.tolist()), BM25Scorer(tok), (1.0, 1.0), k=1.0)
+    scores = pool(hybrid.score(parts, units), units)
+    needle = next(
+        j for j, u in enumerate(units) if "paprika" in tok.decode(parts.context[u.start : u.end])
+    )
+    ranked = scores.argsort(descending=True).tolist()
+    assert set(ranked[:2]) == {needle, len(units) - 1}  # each part's favourite survives fusion
+
+
+def test_document_cache_is_a_size_bounded_lru():
+    from transformers import DynamicCache
+
+    def reading(key: str, tokens: int) -> DocumentReading:
+        cache = DynamicCache()
+        cache.update(torch.zeros(1, 1, tokens, 4), torch.zeros(1, 1, tokens, 4), 0)
+        return DocumentReading(key, (1,), (2,), (WindowCache(0, 1, cache),))
+
+    assert content_key("r", [1, 2], [3]) != content_key("r", [1], [2, 3])
+    assert content_key("r", [1, 2]) != content_key("s", [1, 2])
+    per = reading("a", 8).nbytes  # 2 tensors x 8 x 4 floats
+    assert per == 2 * 8 * 4 * 4
+    cache = DocumentCache(max_bytes=2 * per, max_entries=8)
+    cache.put(reading("a", 8))
+    cache.put(reading("b", 8))
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put(reading("c", 8))  # over the byte bound: b (least recent) goes
+    assert "b" not in cache and "a" in cache and "c" in cache
+    cache.put(reading("huge", 100))  # larger than the whole cache: not kept
+    assert "huge" not in cache and len(cache) == 2
+    assert cache.get("b") is None and cache.stats()["hits"] == 1 and cache.stats()["misses"] == 1
+    small = DocumentCache(max_entries=1)
+    small.put(reading("a", 1))
+    small.put(reading("b", 1))
+    assert list(small._items) == ["b"]
 
 
 def test_build_parts_splits_template_at_context():
