@@ -16,7 +16,7 @@ import sys
 import time
 from importlib.metadata import entry_points
 
-from d3d.config import ConfigError, DecodeConfig, ModelConfig, SamplingConfig
+from d3d.config import MODES, ConfigError, DecodeConfig, ModelConfig, SamplingConfig
 from d3d.drafter import DrafterError
 from d3d.models import ModelLoadError
 
@@ -37,7 +37,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="drafter spec: default, self:N, self:i,j,k or a checkpoint dir",
     )
     g.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:0)")
-    g.add_argument("--drafter-device", default=None, help="drafter device (default: the target's)")
+    g.add_argument(
+        "--drafter-device",
+        default=None,
+        help="drafter device: cuda:N, cpu (a thread beside the target), or cpu:CORES (its own "
+        "process on those cores, e.g. cpu:1); default for async/auto on a CPU host with 2+ "
+        "cores: its own process on the last core",
+    )
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -55,7 +61,14 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def add_decode_args(p: argparse.ArgumentParser, default_max: int = 256) -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--mode", default="sync", choices=["ar", "sync"], help="decoding mode")
+    g.add_argument(
+        "--mode",
+        default="auto",
+        choices=list(MODES),
+        help="ar: the target alone; sync: draft then verify; async: blocks drafted during "
+        "verification on the drafter's own core/GPU; auto (default): speculation only where "
+        "measured costs say it pays",
+    )
     g.add_argument("--max-new-tokens", type=int, default=default_max)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -79,12 +92,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     dcfg = decode_config(args)
     t0 = time.perf_counter()
-    engine = Engine.from_config(model_config(args), with_drafter=dcfg.mode != "ar")
+    engine = Engine.from_config(
+        model_config(args),
+        with_drafter=dcfg.mode != "ar",
+        start_worker=dcfg.mode in ("async", "auto"),
+    )
     load_s = time.perf_counter() - t0
-    if engine.drafter is not None and engine.drafter.block_size != dcfg.block_size:
-        raise ConfigError(
-            f"block_size: the drafter was built for {engine.drafter.block_size}, got {dcfg.block_size}"
-        )
+    try:
+        if engine.drafter is not None and engine.drafter.block_size != dcfg.block_size:
+            raise ConfigError(
+                f"block_size: the drafter was built for {engine.drafter.block_size}, got {dcfg.block_size}"
+            )
+        return _generate(engine, args, dcfg, load_s)
+    finally:
+        engine.close()
+
+
+def _generate(engine, args: argparse.Namespace, dcfg: DecodeConfig, load_s: float) -> int:
     if args.compare:
         return _compare(engine, args.prompt, dcfg, args.json)
     if args.json:
@@ -108,7 +132,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"\n\n[{s.mode}] {s.num_tokens} tokens in {s.decode_seconds:.2f} s "
         f"({s.tokens_per_second:.1f} tok/s), prefill {s.prefill_seconds:.2f} s, "
-        f"acceptance length {s.acceptance_length:.2f} over {s.num_drafts} drafts",
+        f"acceptance length {s.acceptance_length:.2f} over {s.num_drafts} drafts"
+        + (
+            f", branch hit rate {s.hit_rate:.0%} ({s.branches_per_round:.1f} branches/round)"
+            if s.branch_hits + s.branch_misses
+            else ""
+        )
+        + (
+            f"; {s.spec_tokens} tokens speculative, {s.ar_tokens} plain" if s.mode == "auto" else ""
+        ),
         file=sys.stderr,
     )
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-MODES = ("ar", "sync")
+MODES = ("auto", "ar", "sync", "async")
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -49,7 +49,7 @@ class SamplingConfig:
 class DecodeConfig:
     """One request's decoding settings."""
 
-    mode: str = "sync"
+    mode: str = "auto"
     max_new_tokens: int = 256
     block_size: int = DEFAULT_BLOCK_SIZE
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -92,7 +92,9 @@ class ModelConfig:
 
     @property
     def resolved_drafter_device(self) -> str:
-        return self.drafter_device or self.target_device
+        """The drafter's torch device (``cpu:1``, a process on core 1, is the CPU)."""
+        dev = self.drafter_device or self.target_device
+        return "cpu" if dev.startswith("cpu") else dev
 
     @classmethod
     def from_env(cls, **overrides: object) -> ModelConfig:

@@ -1,16 +1,25 @@
-"""The decode loop: prefill, then rounds of {propose, verify, accept, commit, emit, stop?}.
+"""The decode loop: prefill, then rounds of {propose, verify, observe, emit, stop?}.
 
 :func:`decode` is one generator shared by every mode; it yields the tokens each round commits, so
-streaming and batch callers use the same loop. What differs between modes is a small
-:class:`Proposer` object that runs one round against the target:
+streaming and batch callers use the same loop. It reads as the algorithm::
 
-- :class:`ArProposer` — the target alone, one token per round (the baseline).
-- :class:`SyncProposer` — the drafter proposes K = B-1 tokens, the target verifies them in one
-  forward over ``[anchor, d_1..d_K]``, the acceptance rule keeps a prefix plus the target's token.
+    proposal = proposer.propose(tokens)                      # K draft tokens (K may be 0)
+    acc = verify_round(target, anchor, proposal, sampling)   # one target forward, rollback inside
+    proposer.observe(acc)                                    # what was committed
+
+The verify/accept/rollback code exists once, in :func:`verify_round`. Modes differ only in the
+small proposer object passed in (a strategy, never a flag threaded through the loop):
+
+- :class:`ArProposer` — proposes nothing, so a round is one plain decode step of the target.
+- :class:`SyncProposer` — the drafter drafts K = B-1 tokens now, on the critical path.
+- :class:`d3d.pipeline.AsyncProposer` — hands back a block the drafter prepared on its own device
+  while the target verified the previous one (see :mod:`d3d.pipeline`).
+- :class:`d3d.policy.AutoProposer` — switches speculation on and off from measured costs.
 
 Invariants: both models' caches hold the committed tokens except the last one (the anchor of the
 next round); the last token of every round comes from the target; only token ids cross from
-drafter to target (plus q when sampling).
+drafter to target (plus q when sampling). The prefill is round 0: its one token is reported to
+the proposer through :meth:`Proposer.observe` like any other round's.
 
 Letters: S cached length, T new tokens, K draft length, V vocab.
 """
@@ -19,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -29,7 +38,20 @@ from d3d.config import DecodeConfig, SamplingConfig
 from d3d.drafter import Draft
 from d3d.hf import cache_length, trim_cache, with_cache
 from d3d.sampling import make_generator, pick, probabilities
-from d3d.verify import greedy_accept, stochastic_accept
+from d3d.stats import DecodeStats, Round
+from d3d.verify import Acceptance, greedy_accept, stochastic_accept
+
+__all__ = [
+    "ArProposer",
+    "DecodeStats",
+    "Proposal",
+    "Proposer",
+    "Round",
+    "SyncProposer",
+    "TargetSession",
+    "decode",
+    "verify_round",
+]
 
 
 class TargetSession:
@@ -43,6 +65,10 @@ class TargetSession:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
@@ -72,39 +98,104 @@ class TargetSession:
 
 
 @dataclass(frozen=True)
-class Round:
-    """What one round did: ``tokens`` emitted (the last from the target), drafts and timings."""
+class Proposal:
+    """What a proposer hands the target for one round.
 
-    tokens: list[int]
-    num_drafted: int = 0
-    num_accepted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    ``tokens`` [K] draft ids (K = 0: a plain decode step); ``q`` [K, V] the distributions they
+    were sampled from (sampling only); ``wait_s`` the drafting time spent on the critical path;
+    ``hit``/``branches`` as in :class:`d3d.stats.Round`.
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+    wait_s: float = 0.0
+    hit: bool | None = None
+    branches: int = 0
+    failed: bool = False  # the drafter worker failed during this round (counted once)
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+NO_DRAFT = Proposal(tokens=torch.zeros(0, dtype=torch.long))
 
 
 class Proposer(Protocol):
-    """One decoding mode: runs a round against the target and reports what it committed."""
+    """One decoding mode: proposes draft tokens, and is told what each round committed."""
 
     name: str
 
-    def start(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None: ...
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        draft_prompt_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Begin a request. ``draft_prompt_ids``: what the drafter should read as the prompt
+        when it differs from the target's (a compressed prompt for the target, the whole
+        document for the drafter)."""
+        ...
 
-    def round(self, target: TargetSession, tokens: list[int]) -> Round: ...
+    def propose(self, tokens: list[int]) -> Proposal: ...
+
+    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
+        """Round done: ``acc`` committed, the target took ``verify_s``; ``want_next``: the next
+        round will ask for a draft (an adaptive proposer may skip speculation)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@torch.inference_mode()
+def verify_round(
+    target: TargetSession,
+    anchor: int,
+    proposal: Proposal,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> Acceptance:
+    """One target forward over ``[anchor, d_1..d_K]``; accept, then roll the cache back past the
+    rejected drafts. With K = 0 this is one plain decode step."""
+    d = proposal.tokens.to(target.device)  # [K]
+    logits = target.forward([anchor, *d.tolist()])  # [K+1, V]
+    if sampling.greedy:
+        acc = greedy_accept(d, logits.argmax(dim=-1))
+    else:
+        p = probabilities(logits, sampling)
+        q = proposal.q
+        q = p.new_zeros(0, p.shape[-1]) if q is None else q.to(p.device, p.dtype)
+        acc = stochastic_accept(d, q, p, generator)
+    target.rollback(proposal.k - acc.num_accepted)
+    return acc
+
+
+def _draft_view(
+    tokens: Sequence[int], prompt_len: int, draft_prompt: Sequence[int] | None
+) -> Sequence[int]:
+    """The drafter's context: its own prompt followed by the tokens generated so far."""
+    if draft_prompt is None:
+        return tokens
+    return [*draft_prompt, *tokens[prompt_len:]]
 
 
 class ArProposer:
-    """Plain autoregressive decoding of the target: one token per round."""
+    """Plain autoregressive decoding of the target: proposes nothing."""
 
     name = "ar"
 
-    def start(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        self.sampling, self.generator = sampling, generator
+    def start(self, prompt_ids, sampling, generator, draft_prompt_ids=None) -> None:
+        pass
 
-    def round(self, target: TargetSession, tokens: list[int]) -> Round:
-        t0 = time.perf_counter()
-        logits = target.forward(tokens[-1:])[-1]
-        token = pick(logits, self.sampling, self.generator)
-        return Round(tokens=[token], verify_s=time.perf_counter() - t0)
+    def propose(self, tokens: list[int]) -> Proposal:
+        return NO_DRAFT
+
+    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Drafter(Protocol):
@@ -122,89 +213,28 @@ class DraftSource(Protocol):
 
 
 class SyncProposer:
-    """Draft a block, then verify it: drafter and target take turns on the critical path."""
+    """Draft a block now, then let the target verify it: drafting sits on the critical path."""
 
     name = "sync"
 
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
 
-    def start(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        self.sampling, self.generator = sampling, generator
+    def start(self, prompt_ids, sampling, generator, draft_prompt_ids=None) -> None:
         self.session = self.drafter.session(sampling, generator)
+        self.prompt_len = len(prompt_ids)
+        self.draft_prompt = list(draft_prompt_ids) if draft_prompt_ids is not None else None
 
-    def round(self, target: TargetSession, tokens: list[int]) -> Round:
+    def propose(self, tokens: list[int]) -> Proposal:
         t0 = time.perf_counter()
-        draft = self.session.draft(tokens)
-        t1 = time.perf_counter()
-        d = draft.tokens.to(target.device)  # [K]
-        logits = target.forward([tokens[-1], *d.tolist()])  # [K+1, V]
-        if self.sampling.greedy:
-            acc = greedy_accept(d, logits.argmax(dim=-1))
-        else:
-            p = probabilities(logits, self.sampling)
-            acc = stochastic_accept(d, draft.q.to(target.device), p, self.generator)
-        k = d.shape[0]
-        target.rollback(k - acc.num_accepted)
-        return Round(acc.tokens, k, acc.num_accepted, t1 - t0, time.perf_counter() - t1)
+        draft = self.session.draft(_draft_view(tokens, self.prompt_len, self.draft_prompt))
+        return Proposal(draft.tokens, draft.q, wait_s=time.perf_counter() - t0)
 
+    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
+        pass
 
-@dataclass
-class DecodeStats:
-    """Per-request statistics; the draft counters use vLLM's metric names."""
-
-    mode: str
-    prompt_tokens: int = 0
-    num_tokens: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    stop_reason: str = ""
-
-    def record(self, rnd: Round) -> None:
-        self.draft_seconds += rnd.draft_s
-        self.verify_seconds += rnd.verify_s
-        if rnd.num_drafted == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += rnd.num_drafted
-        self.num_accepted_tokens += rnd.num_accepted
-        if len(self.accepted_per_position) < rnd.num_drafted:
-            self.accepted_per_position += [0] * (rnd.num_drafted - len(self.accepted_per_position))
-        for i in range(rnd.num_accepted):
-            self.accepted_per_position[i] += 1
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens per verification round, bonus included (1.0 for ar)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "prompt_tokens": self.prompt_tokens,
-            "num_tokens": self.num_tokens,
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_length": round(self.acceptance_length, 4),
-            "prefill_seconds": round(self.prefill_seconds, 4),
-            "decode_seconds": round(self.decode_seconds, 4),
-            "draft_seconds": round(self.draft_seconds, 4),
-            "verify_seconds": round(self.verify_seconds, 4),
-            "tokens_per_second": round(self.tokens_per_second, 3),
-            "stop_reason": self.stop_reason,
-        }
+    def close(self) -> None:
+        pass
 
 
 def _clip(tokens: list[int], eos_ids: set[int], room: int) -> tuple[list[int], str]:
@@ -224,34 +254,56 @@ def decode(
     cfg: DecodeConfig,
     eos_ids: set[int],
     stats: DecodeStats | None = None,
+    draft_prompt_ids: Sequence[int] | None = None,
 ) -> Iterator[list[int]]:
     """Generate after ``prompt_ids``, yielding the tokens each round commits.
 
     ``stats`` (optional) is filled in as the loop runs and is complete when the generator ends.
+    Closing the generator early (a cancelled request) closes the proposer too.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     stats = stats if stats is not None else DecodeStats(mode=proposer.name)
     stats.prompt_tokens = len(prompt_ids)
     target = TargetSession(model)
-    generator = make_generator(cfg.sampling, target.device)
-    proposer.start(cfg.sampling, generator)
+    sampling = cfg.sampling
+    generator = make_generator(sampling, target.device)
+    proposer.start(prompt_ids, sampling, generator, draft_prompt_ids)
+    try:
+        t0 = time.perf_counter()
+        first = pick(target.prefill(prompt_ids), sampling, generator)
+        t1 = time.perf_counter()
+        stats.prefill_seconds = t1 - t0
+        proposer.observe(Acceptance(num_accepted=0, tokens=[first]), t1 - t0)
 
-    t0 = time.perf_counter()
-    first = pick(target.prefill(prompt_ids), cfg.sampling, generator)
-    t1 = time.perf_counter()
-    stats.prefill_seconds = t1 - t0
-
-    tokens, emitted = list(prompt_ids), [first]
-    while True:
-        emitted, reason = _clip(emitted, eos_ids, cfg.max_new_tokens - stats.num_tokens)
-        tokens += emitted
-        stats.num_tokens += len(emitted)
-        stats.decode_seconds = time.perf_counter() - t1
-        yield emitted
-        if reason:
-            stats.stop_reason = reason
-            return
-        rnd = proposer.round(target, tokens)
-        stats.record(rnd)
-        emitted = rnd.tokens
+        tokens, emitted = list(prompt_ids), [first]
+        while True:
+            emitted, reason = _clip(emitted, eos_ids, cfg.max_new_tokens - stats.num_tokens)
+            tokens += emitted
+            stats.num_tokens += len(emitted)
+            stats.decode_seconds = time.perf_counter() - t1
+            yield emitted
+            if reason:
+                stats.stop_reason = reason
+                return
+            proposal = proposer.propose(tokens)
+            tv = time.perf_counter()
+            acc = verify_round(target, tokens[-1], proposal, sampling, generator)
+            verify_s = time.perf_counter() - tv
+            proposer.observe(acc, verify_s)
+            stats.record(
+                Round(
+                    acc.tokens,
+                    proposal.k,
+                    acc.num_accepted,
+                    proposal.wait_s,
+                    verify_s,
+                    proposal.hit,
+                    proposal.branches,
+                    speculative=proposal.k > 0,
+                    failed=proposal.failed,
+                )
+            )
+            emitted = acc.tokens
+    finally:
+        proposer.close()

@@ -4,6 +4,13 @@ This is the library's front object, used by the CLI, the web app and the evaluat
 resolves model specs (see :class:`d3d.config.ModelConfig`), checks at load that the drafter fits
 the target (same vocabulary, device present), and turns a prompt into a :class:`Generation`.
 
+It also owns what outlives a request: the drafter worker of the asynchronous pipeline (started
+once, on first use or at load, where :mod:`d3d.placement` says: its own process and core on a
+CPU host, a thread on the drafter's GPU; restarted if it dies), and the host's measured costs
+that ``auto`` decides from (:class:`d3d.policy.HostCosts`). Modes: ``ar`` (the target alone),
+``sync`` (draft, then verify), ``async`` (blocks prepared during verification), ``auto``
+(speculation only where it pays; async when a worker runs, else sync).
+
 Drafter specs: ``default`` (the checkpoint shipped in ``d3d/checkpoints/`` for the embedded
 target, else the target's first 4 layers, untrained), ``self:N`` (the target's first N layers,
 untrained), ``self:0,5,9`` (those layers), or a checkpoint directory written by
@@ -13,6 +20,7 @@ untrained), ``self:0,5,9`` (those layers), or a checkpoint directory written by
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +31,9 @@ from d3d.config import DecodeConfig, ModelConfig
 from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, decode
 from d3d.drafter import D3DDrafter, DrafterError
 from d3d.models import DEFAULT_SPECS, LoadedModel, ModelLoadError, encode_prompt, load_target
+from d3d.pipeline import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
+from d3d.placement import Placement, PlacementError, parse_cores, resolve_placement
+from d3d.policy import AutoProposer, HostCosts
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +44,12 @@ FALLBACK_LAYERS = 4
 
 def check_device(device: str) -> None:
     """Fail fast on a device this host does not have."""
-    if device.startswith("cuda"):
+    if device.startswith("cpu:"):
+        try:
+            parse_cores(device[4:])
+        except PlacementError as exc:
+            raise ModelLoadError(str(exc)) from None
+    elif device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
         index = int(device.split(":")[1]) if ":" in device else 0
@@ -89,49 +105,173 @@ class Generation:
         return out
 
 
-class Engine:
-    """A target (and optionally a drafter) ready to decode."""
+@dataclass(frozen=True)
+class DrafterFactory:
+    """Builds the drafter from model specs in another process (picklable: specs, no tensors)."""
 
-    def __init__(self, target: LoadedModel, drafter: D3DDrafter | None = None):
+    cfg: ModelConfig
+
+    def __call__(self) -> D3DDrafter:
+        target = load_target(self.cfg.target, device="cpu", dtype=self.cfg.dtype)
+        return build_drafter(self.cfg.drafter, target, "cpu")
+
+
+def placement_for(cfg: ModelConfig) -> Placement:
+    """Where this config's drafter worker goes on this host (see :mod:`d3d.placement`)."""
+    from d3d.pipeline.workers import available_cores
+
+    return resolve_placement(cfg.target_device, cfg.drafter_device, available_cores())
+
+
+def _launch_process(
+    cfg: ModelConfig, place: Placement
+) -> tuple[WorkerClient, tuple[set[int], int] | None] | None:
+    """Start a drafter process where ``place`` says and pin this process to the other cores.
+    Returns the worker and what to restore at close (None when ``place`` is a thread)."""
+    if place.kind != "process":
+        return None
+    log.info(
+        "drafter worker: own process on core(s) %s; target on core(s) %s",
+        list(place.drafter_cores),
+        list(place.target_cores),
+    )
+    worker = ProcessWorker(DrafterFactory(cfg), list(place.drafter_cores))
+    restore = None
+    if place.target_cores:
+        import os
+
+        restore = (os.sched_getaffinity(0), torch.get_num_threads())
+        threads = len(place.target_cores)
+        pin_process(list(place.target_cores), min(threads, cfg.threads or threads))
+    return worker, restore
+
+
+class Engine:
+    """A target (and optionally a drafter) ready to decode (see the module docstring)."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: D3DDrafter | None = None,
+        model_cfg: ModelConfig | None = None,
+    ):
         self.target = target
         self.drafter = drafter
+        self.model_cfg = model_cfg
+        self.host = HostCosts()
+        self.worker_restarts = 0
+        self._worker: WorkerClient | None = None
+        self._worker_lock = threading.Lock()
+        self._pinned_from: tuple[set[int], int] | None = None
         if drafter is not None and drafter.meta.vocab_size not in (0, target.vocab_size):
             raise DrafterError(
                 f"drafter vocabulary ({drafter.meta.vocab_size}) does not match the target's ({target.vocab_size})"
             )
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, with_drafter: bool = True) -> Engine:
+    def from_config(
+        cls, cfg: ModelConfig, with_drafter: bool = True, start_worker: bool = False
+    ) -> Engine:
+        """Load the models; ``start_worker`` starts the drafter worker now (a worker process
+        then loads its drafter while this process loads the target)."""
         check_device(cfg.target_device)
-        check_device(cfg.resolved_drafter_device)
+        if cfg.drafter_device:
+            check_device(cfg.drafter_device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        place = placement_for(cfg)
+        early = _launch_process(cfg, place) if with_drafter and start_worker else None
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
         drafter = (
             build_drafter(cfg.drafter, target, cfg.resolved_drafter_device)
             if with_drafter
             else None
         )
-        return cls(target, drafter)
+        engine = cls(target, drafter, cfg)
+        if early is not None:
+            engine._worker, engine._pinned_from = early
+        elif with_drafter and start_worker:
+            engine.worker(wait=False)
+        return engine
 
     @property
     def tokenizer(self):
         return self.target.tokenizer
 
+    # ----- the drafter worker -----------------------------------------------------------
+    def worker(self, wait: bool = True, timeout: float = 600.0) -> WorkerClient | None:
+        """The drafter worker, started on first use (and again if it died); None without a
+        drafter, or if it could not start."""
+        with self._worker_lock:
+            w = self._worker
+            if w is not None and not w.alive:
+                log.warning("the drafter worker died; starting a new one")
+                self.worker_restarts += 1
+                self._close_worker()
+                w = None
+            if w is None:
+                w = self._start_worker()
+                self._worker = w
+        if w is not None and wait and not w.wait_ready(timeout):
+            log.error("the drafter worker did not start; speculation falls back")
+            return None
+        return w
+
+    def _start_worker(self) -> WorkerClient | None:
+        cfg = self.model_cfg or ModelConfig(target_device=str(self.target.device))
+        place = placement_for(cfg)
+        if place.kind == "process" and self.model_cfg is not None:
+            worker, self._pinned_from = _launch_process(cfg, place)  # type: ignore[misc]
+            return worker
+        return ThreadWorker(self.drafter) if self.drafter is not None else None
+
+    def _close_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._pinned_from is not None:
+            cores, threads = self._pinned_from
+            pin_process(sorted(cores), threads)
+            self._pinned_from = None
+
+    def close(self) -> None:
+        """Stop the drafter worker (and give the target its cores back)."""
+        with self._worker_lock:
+            self._close_worker()
+
+    # ----- decoding ---------------------------------------------------------------------
     def proposer(self, mode: str) -> Proposer:
         if mode == "ar":
             return ArProposer()
         if self.drafter is None:
             raise DrafterError(f"mode {mode!r} needs a drafter, and none is loaded")
-        return SyncProposer(self.drafter)
+        if mode == "sync":
+            return SyncProposer(self.drafter)
+        worker = self.worker()
+        spec: Proposer = (
+            AsyncProposer(worker, self.target.vocab_size)
+            if worker is not None
+            else SyncProposer(self.drafter)
+        )
+        if mode == "async":
+            return spec
+        return AutoProposer(spec, self.host)
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat_template)
 
     def stream(
-        self, prompt_ids: Sequence[int], cfg: DecodeConfig, stats: DecodeStats | None = None
+        self,
+        prompt_ids: Sequence[int],
+        cfg: DecodeConfig,
+        stats: DecodeStats | None = None,
+        draft_prompt_ids: Sequence[int] | None = None,
     ) -> Iterator[list[int]]:
-        """Token chunks as the rounds commit them; ``stats`` is complete when this ends."""
+        """Token chunks as the rounds commit them; ``stats`` is complete when this ends.
+
+        ``draft_prompt_ids``: what the drafter reads as the prompt, when it differs from the
+        target's (e.g. the whole document, while the target reads the kept part).
+        """
         window = getattr(self.target.model.config, "max_position_embeddings", None)
         if window and len(prompt_ids) + cfg.max_new_tokens + cfg.block_size > window:
             raise ValueError(
@@ -146,11 +286,17 @@ class Engine:
             cfg,
             self.target.eos_token_ids,
             stats,
+            draft_prompt_ids,
         )
 
-    def generate_ids(self, prompt_ids: Sequence[int], cfg: DecodeConfig) -> Generation:
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[int],
+        cfg: DecodeConfig,
+        draft_prompt_ids: Sequence[int] | None = None,
+    ) -> Generation:
         stats = DecodeStats(mode=cfg.mode)
-        ids = [t for chunk in self.stream(prompt_ids, cfg, stats) for t in chunk]
+        ids = [t for chunk in self.stream(prompt_ids, cfg, stats, draft_prompt_ids) for t in chunk]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Generation(text=text, token_ids=ids, stats=stats)
 

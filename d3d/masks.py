@@ -120,3 +120,31 @@ def packed_block_positions(
     blocks = (s.unsqueeze(1) + torch.arange(block_size, device=device)).reshape(-1)
     parts = [torch.arange(clean_len, device=device), blocks] if clean_queries else [blocks]
     return torch.cat(parts).unsqueeze(0)
+
+
+def branch_mask(
+    visible: list[int], cached_len: int, block_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Mask for n draft blocks (one per branch) appended to a cache, in one forward.
+
+    Branch b's block sees the first ``visible[b]`` cached positions (the committed prefix plus
+    the part of the previous draft that branch assumes accepted) and every slot of its own
+    block; never another block, never the cached positions beyond its own outcome.
+    Returns bool [1, 1, n*B, S + n*B] with S = ``cached_len``.
+    """
+    n, b = len(visible), block_size
+    v = torch.tensor(visible, dtype=torch.long, device=device)
+    if n and (int(v.min()) < 0 or int(v.max()) > cached_len):
+        raise ValueError(f"visible lengths must lie in [0, {cached_len}], got {visible}")
+    block_of = torch.arange(n, device=device).repeat_interleave(b)  # [n*B]
+    to_cache = torch.arange(cached_len, device=device).unsqueeze(0) < v[block_of].unsqueeze(1)
+    to_blocks = block_of.unsqueeze(1) == block_of.unsqueeze(0)
+    return torch.cat([to_cache, to_blocks], dim=1).unsqueeze(0).unsqueeze(0)
+
+
+def branch_positions(
+    visible: list[int], block_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Position ids [1, n*B]: branch b's block starts right after its visible prefix."""
+    v = torch.tensor(visible, dtype=torch.long, device=device)
+    return (v.unsqueeze(1) + torch.arange(block_size, device=device)).reshape(1, -1)

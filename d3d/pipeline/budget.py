@@ -1,0 +1,78 @@
+"""How many branches the drafter can afford while the target verifies (an online cost model).
+
+Branch drafting is worth doing only if it ends before the target's verification does; past
+that point the target waits and the drafter is back on the critical path. The worker measures
+both sides as it runs: the target's verify time (reported with every commit) and its own time
+to encode a chain plus draft n branches. It fits ``t(n) = a + b n`` by least squares over recent
+rounds (with one distinct n seen so far it assumes the chain costs what one branch costs, a 16-
+token forward either way) and picks the largest n with ``t(n) <= safety * t_verify``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class Ema:
+    """Exponential moving average; ``value`` is None until the first observation."""
+
+    alpha: float = 0.2
+    value: float | None = None
+
+    def add(self, x: float) -> float:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        return self.value
+
+
+class BranchBudget:
+    """Chooses the number of branches per round from measured costs (see the module docstring)."""
+
+    def __init__(
+        self, max_branches: int = 16, safety: float = 0.85, start: int = 4, window: int = 48
+    ):
+        self.max_branches = max_branches
+        self.safety = safety
+        self.start = min(start, max_branches)
+        self.verify = Ema()
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe_verify(self, seconds: float) -> None:
+        if seconds > 0:
+            self.verify.add(seconds)
+
+    def observe_cost(self, n: int, seconds: float) -> None:
+        self.samples.append((n, seconds))
+
+    def cost_model(self) -> tuple[float, float] | None:
+        """(a, b) of t(n) = a + b n, or None before any measurement."""
+        if not self.samples:
+            return None
+        ns = [n for n, _ in self.samples]
+        ts = [t for _, t in self.samples]
+        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        if var > 0:
+            b = sum((n - mean_n) * (t - mean_t) for n, t in self.samples) / var
+            if b > 0:
+                return mean_t - b * mean_n, b
+        unit = mean_t / (1 + mean_n)
+        return unit, unit
+
+    def choose(self) -> int:
+        model = self.cost_model()
+        if model is None or self.verify.value is None:
+            return self.start
+        a, b = model
+        n = int((self.safety * self.verify.value - a) // b)
+        return max(0, min(self.max_branches, n))
+
+    def summary(self) -> dict:
+        model = self.cost_model()
+        return {
+            "verify_ms": None if self.verify.value is None else round(self.verify.value * 1e3, 2),
+            "chain_ms": None if model is None else round(model[0] * 1e3, 2),
+            "per_branch_ms": None if model is None else round(model[1] * 1e3, 2),
+            "branches": self.choose(),
+        }

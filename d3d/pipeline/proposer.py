@@ -1,0 +1,151 @@
+"""``async`` decoding, the target's side: blocks prepared while the previous round was verified.
+
+:class:`AsyncProposer` is the decode loop's proposer for the asynchronous pipeline. It tells the
+worker what each round committed (:meth:`observe`, right after verification) and takes the next
+block from it (:meth:`propose`). The worker has usually drafted that block already, as a branch,
+during the verification; on a miss it drafts it on receipt of the commit. Either way a block for
+round t+1 can only exist after round t's commit was sent, i.e. after its verification ended.
+
+Failure is local: if the worker dies, answers with a failure, or does not answer within its
+timeout, the proposer logs it, counts it (``Proposal.failed``), and proposes nothing from then
+on, so the request finishes on the target alone with nothing lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from d3d.config import SamplingConfig
+from d3d.decode import NO_DRAFT, Proposal
+from d3d.pipeline.protocol import Block, Close, Commit, Failed, Open
+from d3d.verify import Acceptance
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLink(Protocol):
+    """What a proposer needs of a worker (a :class:`~d3d.pipeline.workers.WorkerClient`, or a
+    test's fake)."""
+
+    alive: bool
+
+    def new_session(self) -> int: ...
+
+    def end_session(self, sid: int) -> None: ...
+
+    def send(self, msg: object) -> None: ...
+
+    def recv(self, sid: int, timeout: float) -> object | None: ...
+
+
+class AsyncProposer:
+    """Proposes the blocks a drafter worker prepares (see the module docstring).
+
+    ``min_timeout``: the shortest wait for a block before the worker counts as hung; the wait
+    also scales with the last round's target time (``timeout_factor`` x), which covers the
+    drafter's own prefill of a long prompt.
+    """
+
+    name = "async"
+
+    def __init__(
+        self,
+        link: WorkerLink,
+        vocab_size: int,
+        min_timeout: float = 5.0,
+        timeout_factor: float = 10.0,
+        clock=time.perf_counter,
+    ):
+        self.link = link
+        self.vocab_size = vocab_size
+        self.min_timeout = min_timeout
+        self.timeout_factor = timeout_factor
+        self.clock = clock
+        self.sid: int | None = None
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        draft_prompt_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.sampling = sampling
+        self.failed = False
+        self.failure_reported = False
+        self.expect: int | None = None
+        self.last_target_s = 0.0
+        self.device = generator.device if generator is not None else torch.device("cpu")
+        prompt = list(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
+        self.committed = len(prompt)
+        if not self.link.alive:
+            self._fail("the drafter worker is not running")
+            return
+        self.sid = self.link.new_session()
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(62)
+        self._send(Open(self.sid, prompt, sampling, seed))
+
+    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
+        self.committed += len(acc.tokens)
+        self.last_target_s = verify_s
+        if self.failed:
+            return
+        self.expect = self.committed if want_next else None
+        self._send(Commit(self.sid, list(acc.tokens), want_next, verify_s))
+
+    def propose(self, tokens: list[int]) -> Proposal:
+        if self.failed or self.expect is None:
+            return NO_DRAFT
+        t0 = self.clock()
+        timeout = max(self.min_timeout, self.timeout_factor * self.last_target_s)
+        while True:
+            left = timeout - (self.clock() - t0)
+            msg = self.link.recv(self.sid, left) if left > 0 else None
+            if msg is None:
+                why = "is gone" if not self.link.alive else f"sent no block in {timeout:.1f} s"
+                return self._fail(f"the drafter worker {why}")
+            if isinstance(msg, Failed):
+                return self._fail(f"the drafter worker failed: {msg.message}")
+            if isinstance(msg, Block) and msg.pos == self.expect:
+                break  # anything else is a stale reply of an earlier round
+        self.expect = None
+        d = torch.tensor(msg.tokens, dtype=torch.long)
+        q = None
+        if not self.sampling.greedy and msg.q_ids is not None:
+            q = torch.zeros(d.shape[0], self.vocab_size, device=self.device)
+            q.scatter_(
+                1,
+                torch.as_tensor(msg.q_ids, dtype=torch.long, device=self.device),
+                torch.as_tensor(msg.q_probs, dtype=torch.float32, device=self.device),
+            )
+        return Proposal(d, q, wait_s=self.clock() - t0, hit=msg.hit, branches=msg.branches)
+
+    def close(self) -> None:
+        if self.sid is not None:
+            if not self.failed:
+                with contextlib.suppress(ConnectionError, OSError):
+                    self.link.send(Close(self.sid))
+            self.link.end_session(self.sid)
+            self.sid = None
+
+    # ----- failure ----------------------------------------------------------------------
+    def _send(self, msg: object) -> None:
+        try:
+            self.link.send(msg)
+        except (ConnectionError, OSError) as exc:
+            self._fail(f"cannot reach the drafter worker: {exc}")
+
+    def _fail(self, why: str) -> Proposal:
+        if not self.failed:
+            log.warning("%s; this request goes on with the target alone", why)
+        self.failed = True
+        report = not self.failure_reported
+        self.failure_reported = True
+        return Proposal(NO_DRAFT.tokens, failed=report) if report else NO_DRAFT

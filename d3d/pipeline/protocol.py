@@ -1,0 +1,80 @@
+"""The messages between a request (the target's side) and the drafter worker.
+
+Only token ids cross, plus, when sampling, each block's proposal distribution q as a sparse
+top-M table over target token ids (never a full-vocabulary tensor). Every message is a small
+frozen dataclass that pickles cheaply, so the same objects travel over a thread queue, a pipe
+to another process, or a test's fake link.
+
+Target -> worker: :class:`Open` (a request's drafter prompt), :class:`Commit` (the tokens a
+round committed, and whether the next round wants a block), :class:`Close`.
+Worker -> target: :class:`Ready` once the drafter is loaded, :class:`Block` (the draft for the
+committed length ``pos``), :class:`Failed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from d3d.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Open:
+    sid: int
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    seed: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """``tokens`` committed by the last round (accepted drafts + the target's token). ``want``:
+    the next round is speculative and needs a block; ``verify_s``: the round's target time."""
+
+    sid: int
+    tokens: list[int]
+    want: bool
+    verify_s: float
+
+
+@dataclass(frozen=True)
+class Close:
+    sid: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Ends the worker loop."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failed:
+    sid: int | None
+    message: str
+
+
+@dataclass(frozen=True)
+class Block:
+    """A draft for the round after ``pos`` committed tokens (the anchor is token ``pos - 1``).
+
+    ``hit``: served from a branch prepared while the previous round was verified (a round
+    with no branch prepared is a miss); ``branches``: how many were prepared; ``work_s``: the worker's
+    time to produce it after the commit arrived. ``q_ids``/``q_probs`` [K, M]: the proposal
+    distribution of each slot (sampling only).
+    """
+
+    sid: int
+    pos: int
+    tokens: list[int]
+    hit: bool
+    branches: int
+    work_s: float
+    q_ids: np.ndarray | None = None
+    q_probs: np.ndarray | None = None

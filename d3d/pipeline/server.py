@@ -1,0 +1,203 @@
+"""The drafter worker's logic: per-request drafting sessions, branches, and the budget.
+
+:class:`DraftServer` turns messages into replies (see :mod:`d3d.pipeline.protocol`) and knows
+nothing of threads, processes or pipes: :mod:`d3d.pipeline.workers` runs it behind a queue or a
+pipe, and tests run it directly. ``handle`` is a generator: it yields a reply (the block the
+target waits for) *before* it goes on to prepare the next round's branches, so the caller sends
+the reply at once and the branch work overlaps the target's verification.
+
+Per session, the invariant of the whole engine holds between messages: the drafter's cache
+holds committed tokens (its prefix is the drafter's own prompt, which may differ from the
+target's), except that after preparing branches it also holds the handed-out draft chain; the
+next commit cuts it back to what was accepted. Branches are keyed by (committed length, k, r),
+so a branch can only serve the outcome it was drafted for: stale ones are dropped at the next
+commit. Drafts for a committed length are sampled with a generator seeded by (seed, length), so
+a hit and a miss draw from the same stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from d3d.config import SamplingConfig
+from d3d.drafter import D3DDrafter
+from d3d.hf import trim_cache
+from d3d.pipeline.branches import choose_branches
+from d3d.pipeline.budget import BranchBudget
+from d3d.pipeline.drafting import draft_branches, encode_chain
+from d3d.pipeline.protocol import Block, Close, Commit, Failed, Open
+from d3d.sampling import probabilities
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A drafted block: target ids [K], its draft-space scores [K, V_d], q when sampling."""
+
+    tokens: list[int]
+    scores: torch.Tensor
+    q_ids: object = None
+    q_probs: object = None
+
+
+@dataclass
+class _Session:
+    sampling: SamplingConfig
+    seed: int
+    committed: list[int]
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    cached_ids: list[int] = field(default_factory=list)
+    branches: dict[tuple[int, int, int], Prepared] = field(default_factory=dict)
+    commits: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    max_branches: int = 16
+    cover: bool = False  # cover each position before filling the budget (see branches.py)
+    q_top: int = 1024  # slots' proposal distributions keep their M most likely tokens
+    safety: float = 0.85  # branch work must fit in this share of the verify time
+
+
+class DraftServer:
+    """Serves every request's drafting session on one drafter (see the module docstring)."""
+
+    def __init__(
+        self, drafter: D3DDrafter, cfg: ServerConfig | None = None, clock=time.perf_counter
+    ):
+        self.drafter = drafter
+        self.cfg = cfg or ServerConfig()
+        self.clock = clock
+        self.budget = BranchBudget(self.cfg.max_branches, self.cfg.safety)
+        self.sessions: dict[int, _Session] = {}
+
+    # ----- messages ---------------------------------------------------------------------
+    def handle(self, msg: object) -> Iterator[object]:
+        sid = getattr(msg, "sid", None)
+        try:
+            if isinstance(msg, Open):
+                sess = _Session(msg.sampling, msg.seed, list(msg.prompt_ids))
+                self.sessions[msg.sid] = sess
+                self._prepare(sess, None)
+            elif isinstance(msg, Commit):
+                sess = self.sessions.get(msg.sid)
+                if sess is not None:
+                    yield from self._commit(msg, sess)
+            elif isinstance(msg, Close):
+                self.sessions.pop(msg.sid, None)
+            else:
+                raise TypeError(f"unknown message {type(msg).__name__}")
+        except Exception as exc:  # a failure ends this session, never the worker
+            log.exception("drafter worker: session %s failed", sid)
+            self.sessions.pop(sid, None)
+            yield Failed(sid, f"{type(exc).__name__}: {exc}")
+
+    def _commit(self, msg: Commit, sess: _Session) -> Iterator[object]:
+        before = len(sess.committed)
+        sess.committed += msg.tokens
+        if sess.commits:  # the first commit carries the prefill's time, not a verify's
+            self.budget.observe_verify(msg.verify_s)
+        sess.commits += 1
+        offered = len(sess.branches)
+        prepared = sess.branches.get((before, len(msg.tokens) - 1, msg.tokens[-1]))
+        sess.branches = {}
+        if not msg.want:  # a plain target step follows: just keep the cache up to date
+            self._catch_up(sess)
+            return
+        t0 = self.clock()
+        hit = prepared is not None  # no branch prepared (budget 0) is a miss too
+        if prepared is None:  # a miss: draft now, the synchronous way
+            prepared = self._draft_now(sess)
+        yield Block(
+            sid=msg.sid,
+            pos=len(sess.committed),
+            tokens=prepared.tokens,
+            hit=hit,
+            branches=offered,
+            work_s=self.clock() - t0,
+            q_ids=prepared.q_ids,
+            q_probs=prepared.q_probs,
+        )
+        self._prepare(sess, prepared)
+
+    # ----- cache bookkeeping ------------------------------------------------------------
+    def _rewind(self, sess: _Session) -> list[int]:
+        """Cut the cache back to its longest prefix shared with the committed tokens except
+        the last (the anchor); return the committed tokens it still lacks."""
+        want = sess.committed[:-1]
+        common = 0
+        for a, b in zip(sess.cached_ids, want, strict=False):
+            if a != b:
+                break
+            common += 1
+        if common == 0 and sess.cached_ids:
+            sess.cache = DynamicCache()
+        else:
+            trim_cache(sess.cache, len(sess.cached_ids) - common)
+        sess.cached_ids = want[:common]
+        return want[common:]
+
+    @torch.inference_mode()
+    def _draft_now(self, sess: _Session) -> Prepared:
+        pending = self._rewind(sess)
+        scores = self.drafter.block_scores(sess.committed[-1], sess.cache, pending)
+        sess.cached_ids = sess.committed[:-1]
+        return self._finish(sess, scores, len(sess.committed))
+
+    @torch.inference_mode()
+    def _catch_up(self, sess: _Session) -> None:
+        pending = self._rewind(sess)
+        if pending:
+            self.drafter.encode(pending, sess.cache)
+            sess.cached_ids = sess.committed[:-1]
+
+    # ----- drafting ---------------------------------------------------------------------
+    def _finish(self, sess: _Session, scores: torch.Tensor, pos: int) -> Prepared:
+        """Tokens (and q) from a block's draft-space scores [K, V_d]; ``pos``: the committed
+        length the block follows, which seeds its sampling."""
+        d = self.drafter
+        if sess.sampling.greedy:
+            return Prepared(d.to_target_ids(scores.argmax(dim=-1)).tolist(), scores)
+        probs = probabilities(scores, sess.sampling)  # [K, V_d]
+        vals, idx = probs.topk(min(self.cfg.q_top, probs.shape[-1]), dim=-1)  # [K, M]
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+        gen = torch.Generator(device=vals.device)
+        gen.manual_seed((sess.seed * 1_000_003 + pos) % (2**63 - 1))
+        pick = torch.multinomial(vals, 1, generator=gen)  # [K, 1]
+        tokens = d.to_target_ids(idx.gather(1, pick).squeeze(1)).tolist()
+        q_ids = d.to_target_ids(idx).cpu().numpy()
+        return Prepared(tokens, scores, q_ids, vals.float().cpu().numpy())
+
+    @torch.inference_mode()
+    def _prepare(self, sess: _Session, block: Prepared | None) -> None:
+        """Encode the chain ``[anchor, d_1..d_K]`` and draft the branches for the most likely
+        outcomes of its verification (``block`` None: the first token after the prompt)."""
+        d = self.drafter
+        t0 = self.clock()
+        drafts = block.tokens if block is not None else []
+        pending = self._rewind(sess)
+        causal = encode_chain(d, sess.cache, [*pending, sess.committed[-1], *drafts])
+        sess.cached_ids = sess.committed + drafts
+        dist = torch.softmax(causal[len(pending) :].float(), dim=-1)  # [K+1, V_d]
+        if block is not None:  # the block's own (bidirectional) view of each slot, blended in
+            k = len(drafts)
+            dist[:k] = 0.5 * (dist[:k] + torch.softmax(block.scores.float(), dim=-1))
+        draft_idx = torch.tensor(drafts, dtype=torch.long, device=dist.device)
+        if d.draft_index is not None:
+            draft_idx = d.draft_index.to(dist.device)[draft_idx].clamp_min(0)
+        outcomes = choose_branches(draft_idx, dist, self.budget.choose(), self.cfg.cover)
+        if outcomes:
+            n0 = len(sess.committed)  # the anchor is committed token n0 - 1
+            anchors = d.to_target_ids(torch.tensor([o.r for o in outcomes], device=d.device))
+            anchors_l = [int(a) for a in anchors.tolist()]
+            scores = draft_branches(d, sess.cache, [n0 + o.k for o in outcomes], anchors_l)
+            for o, a, sc in zip(outcomes, anchors_l, scores, strict=True):
+                sess.branches[(n0, o.k, a)] = self._finish(sess, sc, n0 + o.k + 1)
+        self.budget.observe_cost(len(outcomes), self.clock() - t0)

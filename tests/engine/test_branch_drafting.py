@@ -1,0 +1,107 @@
+"""The packed branch forward drafts exactly what drafting each outcome on its own would.
+
+One forward encodes the chain ``[a, d_1..d_K]`` and drafts a block per outcome (k, r); each
+block must equal the block the synchronous path drafts after committing ``a, d_1..d_k, r`` —
+the 4D mask and positions are what makes that true. Also: the server's hits and misses.
+"""
+
+import torch
+from transformers import DynamicCache
+
+from d3d.config import SamplingConfig
+from d3d.drafter import D3DDrafter
+from d3d.pipeline.drafting import draft_branches, encode_chain
+from d3d.pipeline.protocol import Block, Close, Commit, Open
+from d3d.pipeline.server import DraftServer, ServerConfig
+from tests.conftest import tiny_model
+
+
+def _cache_with(drafter, ids):
+    cache = DynamicCache()
+    with torch.inference_mode():
+        drafter.encode(ids, cache)
+    return cache
+
+
+def test_each_branch_equals_drafting_that_outcome_alone():
+    target = tiny_model("qwen3", seed=2)
+    drafter = D3DDrafter.from_target(target, 2, block_size=5)
+    prefix, anchor, drafts = [3, 8, 13, 21], 34, [40, 41, 42, 43]
+    cache = _cache_with(drafter, prefix)
+    causal = encode_chain(drafter, cache, [anchor, *drafts])
+    assert causal.shape == (5, target.config.vocab_size)
+    assert cache.get_seq_length() == len(prefix) + 5
+    outcomes = [(0, 7), (2, 9), (4, 11)]  # (k accepted, then r)
+    n0 = len(prefix) + 1
+    branches = draft_branches(
+        drafter, cache, [n0 + k for k, _ in outcomes], [r for _, r in outcomes]
+    )
+    assert branches.shape == (3, 4, target.config.vocab_size)
+    assert cache.get_seq_length() == len(prefix) + 5, "branch blocks leave no KV behind"
+    for (k, r), got in zip(outcomes, branches, strict=True):
+        ref_cache = _cache_with(drafter, [*prefix, anchor, *drafts[:k]])
+        with torch.inference_mode():
+            ref = drafter.block_scores(r, ref_cache)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    # the chain's causal scores are the drafter's next-token logits at each chain position
+    with torch.inference_mode():
+        full = drafter.lm(torch.tensor([[*prefix, anchor, *drafts]])).logits[0, len(prefix) :]
+    torch.testing.assert_close(causal, full, atol=1e-4, rtol=1e-4)
+
+
+def _run(server, msgs):
+    out = []
+    for m in msgs:
+        out += list(server.handle(m))
+    return out
+
+
+def test_server_hit_serves_the_prepared_branch_and_miss_drafts_now():
+    target = tiny_model("llama", seed=1)
+    drafter = D3DDrafter.from_target(target, 1, block_size=4)
+    server = DraftServer(drafter, ServerConfig(max_branches=6))
+    greedy = SamplingConfig()
+    _run(server, [Open(1, [5, 6, 7, 8], greedy, 0)])
+    sess = server.sessions[1]
+    assert sess.branches, "branches for the first token are prepared during the prefill"
+    (pos, k, r), prepared = next(iter(sess.branches.items()))
+    assert (pos, k) == (4, 0)
+    [blk] = _run(server, [Commit(1, [r], True, 0.1)])
+    assert isinstance(blk, Block) and blk.hit is True and blk.pos == 5
+    assert blk.tokens == prepared.tokens
+    # the same block, drafted the synchronous way
+    with torch.inference_mode():
+        ref = drafter.block_scores(r, _cache_with(drafter, [5, 6, 7, 8]))
+    assert blk.tokens == ref.argmax(-1).tolist()
+    # a token no branch expected: a miss, drafted at once, still correct
+    keys = set(server.sessions[1].branches)
+    miss_r = next(t for t in range(100) if (5, 0, t) not in keys)
+    [blk2] = _run(server, [Commit(1, [miss_r], True, 0.1)])
+    assert blk2.hit is False and blk2.pos == 6
+    with torch.inference_mode():
+        ref2 = drafter.block_scores(miss_r, _cache_with(drafter, [5, 6, 7, 8, r]))
+    assert blk2.tokens == ref2.argmax(-1).tolist()
+    _run(server, [Close(1)])
+    assert not server.sessions
+
+
+def test_server_without_want_only_catches_up():
+    target = tiny_model("llama", seed=1)
+    drafter = D3DDrafter.from_target(target, 1, block_size=4)
+    server = DraftServer(drafter)
+    _run(server, [Open(1, [5, 6, 7], SamplingConfig(), 0)])
+    assert _run(server, [Commit(1, [9], False, 0.01), Commit(1, [10], False, 0.01)]) == []
+    assert server.sessions[1].cached_ids == [5, 6, 7, 9]
+
+
+def test_sampled_blocks_carry_their_sparse_q():
+    target = tiny_model("llama", seed=1)
+    drafter = D3DDrafter.from_target(target, 1, block_size=4)
+    server = DraftServer(drafter, ServerConfig(q_top=8))
+    sampling = SamplingConfig(temperature=1.0, seed=3)
+    _run(server, [Open(1, [5, 6, 7], sampling, 3)])
+    [blk] = _run(server, [Commit(1, [9], True, 0.01)])
+    assert blk.q_ids.shape == (3, 8) and blk.q_probs.shape == (3, 8)
+    assert abs(blk.q_probs.sum(1) - 1).max() < 1e-5
+    for tok, ids in zip(blk.tokens, blk.q_ids, strict=True):
+        assert tok in ids.tolist(), "each draft token was sampled from its slot's q"
