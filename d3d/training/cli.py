@@ -84,6 +84,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         heldout_fraction=args.heldout_fraction,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
+        topk=args.keep_topk,
     )
     if args.text_source:
         return _text_data(args)
@@ -242,6 +243,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--heldout-prompts", default=None, help="also write the held-out prompts here")
+    p.add_argument("--keep-topk", type=int, default=0,
+                   help="also store the target's top-k log-probs per response token")  # fmt: skip
     p.add_argument(
         "--text-source",
         default=None,

@@ -68,6 +68,7 @@ class DataConfig:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
     batch_size: int = 8
+    topk: int = 0  # keep the target's top-k log-probs at each response token (soft labels)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -254,9 +255,13 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict]:
 
 @torch.inference_mode()
 def _generate_batch(
-    target: LoadedModel, batch: Sequence[list[int]], max_new: int
-) -> list[list[int]]:
-    """Greedy responses of a batch of prompts (left padding); each cut after its first EOS."""
+    target: LoadedModel, batch: Sequence[list[int]], max_new: int, topk: int = 0
+) -> list[tuple[list[int], dict]]:
+    """Greedy responses of a batch of prompts (left padding); each cut after its first EOS.
+
+    With ``topk``, each response comes with the target's top-k ids and log-probs (3 decimals)
+    at every response position: ``{"topk_ids": [[...]], "topk_logprobs": [[...]]}``.
+    """
     model, device = target.model, target.device
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else min(target.eos_token_ids)
@@ -273,11 +278,23 @@ def _generate_batch(
         do_sample=False,
         pad_token_id=pad,
         eos_token_id=sorted(target.eos_token_ids),
+        output_scores=bool(topk),
+        return_dict_in_generate=True,
     )
     responses = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in target.eos_token_ids), len(row))
-        responses.append(row[:cut])
+    top = None
+    if topk:  # scores: one [batch, V] per step
+        logp = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)
+        top = logp.topk(topk, dim=-1)
+    for i, row in enumerate(out.sequences[:, width:].tolist()):
+        cut = next((j + 1 for j, t in enumerate(row) if t in target.eos_token_ids), len(row))
+        extra = {}
+        if top is not None:
+            extra = {
+                "topk_ids": top.indices[i, :cut].tolist(),
+                "topk_logprobs": [[round(v, 3) for v in r] for r in top.values[i, :cut].tolist()],
+            }
+        responses.append((row[:cut], extra))
     return responses
 
 
@@ -304,8 +321,9 @@ def generate_data(
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), desc="responses") as bar:
         for i in range(0, len(todo), cfg.batch_size):
             chunk = todo[i : i + cfg.batch_size]
-            responses = _generate_batch(target, [ids for _, ids in chunk], cfg.max_new_tokens)
-            for (p, ids), resp in zip(chunk, responses, strict=True):
+            batch = [ids for _, ids in chunk]
+            responses = _generate_batch(target, batch, cfg.max_new_tokens, cfg.topk)
+            for (p, ids), (resp, extra) in zip(chunk, responses, strict=True):
                 rec = {
                     "id": p.id,
                     "source": p.source,
@@ -314,6 +332,7 @@ def generate_data(
                     "prompt_ids": ids,
                     "response_ids": resp,
                     "text": target.tokenizer.decode(resp, skip_special_tokens=True),
+                    **extra,
                 }
                 f.write(json.dumps(rec) + "\n")
             f.flush()

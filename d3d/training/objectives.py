@@ -80,6 +80,7 @@ class Packed:
     block_labels: torch.Tensor
     ntp_start: int
     teacher_forced: bool = False  # labels are the teacher's argmax, not ids (text records)
+    soft: tuple[torch.Tensor, torch.Tensor] | None = None  # stored top-k: ids, log-probs [n, K, k]
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,19 @@ def pack(
     block_size: int,
     generator: torch.Generator,
     max_len: int | None = None,
+    topk: tuple[Sequence, Sequence] | None = None,
 ) -> Packed | None:
     """Lay out one training sequence: a window of prompt + response and sampled anchors.
 
     A sequence longer than ``max_len`` keeps a random window that ends inside the response,
     dropping the oldest tokens (RoPE only sees relative positions). Anchors lie on response
     tokens that still have a next token. Returns None when there is nothing to train on.
+    ``topk``: the target's stored top-k (ids, log-probs) for each response token, which become
+    the soft labels of the block slots that predict those tokens.
     """
     ids = list(prompt_ids) + list(response_ids)
-    p = len(prompt_ids)
+    p0 = p = len(prompt_ids)
+    start = 0
     if max_len is not None and len(ids) > max_len:
         lo_end = max(max_len, p + 2)
         if lo_end > len(ids):
@@ -149,7 +154,28 @@ def pack(
     if not anchors:
         return None
     x = torch.tensor(ids, dtype=torch.long)
-    return Packed(x, anchors, block_labels(x, anchors, block_size), ntp_start=p - 1)
+    soft = None if topk is None else stored_soft_labels(topk, anchors, block_size, start - p0)
+    return Packed(x, anchors, block_labels(x, anchors, block_size), ntp_start=p - 1, soft=soft)
+
+
+def stored_soft_labels(
+    topk: tuple[Sequence, Sequence], anchors: Sequence[int], block_size: int, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored top-k of the tokens the block slots predict: ids and log-probs [n, K, k].
+
+    Slot j of the block at window position s predicts window position s+j+1, which is response
+    token s+j+1+``offset``; slots without a stored entry get ``IGNORE`` ids.
+    """
+    ids, logp = topk
+    k = len(ids[0]) if len(ids) else 1
+    r = torch.tensor(list(anchors)).unsqueeze(1) + torch.arange(1, block_size) + offset
+    valid = (r >= 0) & (r < len(ids))
+    out_ids = torch.full((*r.shape, k), IGNORE, dtype=torch.long)
+    out_logp = torch.zeros((*r.shape, k))
+    if len(ids):
+        out_ids[valid] = torch.tensor(ids, dtype=torch.long)[r[valid]]
+        out_logp[valid] = torch.tensor(logp, dtype=torch.float32)[r[valid]]
+    return out_ids, out_logp
 
 
 def weighted_block_loss(
@@ -222,7 +248,7 @@ def cached_prefix_forward(drafter: D3DDrafter, packed: Packed, topk: int = 0) ->
     anchors = torch.tensor(packed.anchors, device=dev)
     first = drafter.head(h_clean[anchors]).unsqueeze(1)  # [n, 1, V_d]
     block = torch.cat([first, drafter.head(h[:, : k - 1])], dim=1)  # [n, K, V_d]
-    soft = None
+    soft = packed.soft
     if topk and drafter.exact_prefix:
         with torch.no_grad():
             rows = (anchors.unsqueeze(1) + torch.arange(k, device=dev)).clamp_max(big_l - 1)
@@ -249,7 +275,7 @@ def packed_forward(drafter: D3DDrafter, packed: Packed, with_clean: bool) -> Pac
     h = drafter.body(embeds, pos, mask, None, slots)[0]
     block_logits = drafter.head(h[big_l:].view(n, b, -1)[:, : b - 1])
     clean = drafter.head(h[packed.ntp_start : big_l - 1]) if with_clean else None
-    return PackedOutput(block_logits, clean)
+    return PackedOutput(block_logits, clean, packed.soft)
 
 
 def drafter_loss(drafter: D3DDrafter, packed: Packed, cfg: LossConfig) -> LossParts:
@@ -275,13 +301,12 @@ def drafter_loss(drafter: D3DDrafter, packed: Packed, cfg: LossConfig) -> LossPa
     block = weighted_block_loss(out.block, labels, w)
     total, ntp_value = block, math.nan
     if out.soft is not None and cfg.kl_weight > 0:
-        soft_ids = drafter.to_draft_labels(out.soft[0])
-        soft_ids[:, 0] = IGNORE
-        soft_ids[labels == IGNORE] = IGNORE  # past the end of the sequence
+        soft_ids = drafter.to_draft_labels(out.soft[0].to(labels.device))
+        soft_ids[labels == IGNORE] = IGNORE  # past the end, or the frozen anchor slot
         total = total + cfg.kl_weight * soft_cross_entropy(out.block, soft_ids, out.soft[1], w)
     labels = drafter.to_draft_labels(packed.ids[packed.ntp_start + 1 :])
     if out.clean is not None and bool((labels != IGNORE).any()):
         ntp = F.cross_entropy(out.clean.float(), labels.to(out.clean.device), ignore_index=IGNORE)
-        total = block + cfg.ntp_weight * ntp
+        total = total + cfg.ntp_weight * ntp
         ntp_value = float(ntp.detach())
     return LossParts(total=total, block=float(block.detach()), ntp=ntp_value)

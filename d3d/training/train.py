@@ -175,8 +175,13 @@ def _accumulate(
         index = step * cfg.grad_accum + a
         rec = records[sequence_order(len(records), index, cfg.seed)]
         g = torch.Generator().manual_seed(cfg.seed * 7_919 + index)
+        topk = (
+            (rec["topk_ids"], rec["topk_logprobs"])
+            if cfg.loss.kl_weight and "topk_ids" in rec
+            else None
+        )
         packed = pack(rec["prompt_ids"], rec["response_ids"], cfg.loss.anchors_per_seq,
-                      drafter.block_size, g, cfg.max_len)  # fmt: skip
+                      drafter.block_size, g, cfg.max_len, topk)  # fmt: skip
         if packed is None:
             continue
         if rec.get("teacher_forced"):

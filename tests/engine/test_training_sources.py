@@ -1,6 +1,7 @@
 """Training data sources: ShareGPT (truncated JSON), teacher-forced text records, the general
 prompt sets, the evaluation-set guard, and `d3d train --drafter lora:N` end to end."""
 
+import itertools
 import json
 
 import pytest
@@ -124,3 +125,31 @@ def test_train_command_with_an_adapter_drafter(tmp_path, capsys):
     assert int(back.session().draft(ids).tokens[0]) == int(
         model(torch.tensor([ids])).logits[0, -1].argmax()
     )
+
+
+def test_generated_data_keeps_the_targets_top_k_and_pack_aligns_it(tmp_path):
+    from d3d.models import LoadedModel
+    from d3d.training.data import DataConfig, Prompt, generate_data
+    from d3d.training.objectives import pack
+    from tests.engine.test_training import CharTokenizer
+
+    class Tok(CharTokenizer):
+        pad_token_id = 0
+
+    model = tiny_model("llama", seed=4, scale=3.0)
+    target = LoadedModel(model, Tok(), "tiny")
+    out = tmp_path / "d.jsonl"
+    cfg = DataConfig(sources=("x",), max_new_tokens=12, batch_size=2, topk=3)
+    prompts = [Prompt("a", "t", "hello"), Prompt("b", "t", "hi there")]
+    assert generate_data(target, prompts, out, cfg) == 2
+    for rec in read_many(out):
+        resp, ids, logp = rec["response_ids"], rec["topk_ids"], rec["topk_logprobs"]
+        assert len(ids) == len(resp) and len(ids[0]) == 3
+        assert [row[0] for row in ids] == resp  # greedy: the top-1 is the emitted token
+        assert all(a >= b for row in logp for a, b in itertools.pairwise(row))
+        g = torch.Generator().manual_seed(0)
+        pk = pack(rec["prompt_ids"], resp, 4, 4, g, max_len=len(rec["prompt_ids"]) + 6,
+                  topk=(ids, logp))  # fmt: skip
+        labels, soft_ids = pk.block_labels, pk.soft[0]
+        has = labels != -100
+        assert torch.equal(soft_ids[..., 0][has], labels[has])
