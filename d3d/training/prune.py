@@ -220,6 +220,11 @@ def prune(
     progress: bool = True,
 ) -> tuple[list[Stage], D3DDrafter]:
     """Run pruning stages (see the module docstring); returns the table and the chosen drafter."""
+    if drafter.adapters is not None:
+        raise ValueError(
+            "an adapter drafter's layers are the target's own, frozen: choose its depth with the "
+            "depth sweep (python -m d3d.training.sweep) instead of pruning"
+        )
     out = Path(out_dir)
     stages: list[Stage] = []
     if (out / "stages.json").is_file():

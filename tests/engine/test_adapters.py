@@ -207,3 +207,11 @@ def test_hide_gated_keys_bool_float_and_default():
     causal = hide_gated_keys(None, torch.tensor([False, True, False]), cached=1)
     assert causal[0, 0, 2].tolist() == [True, True, False, True]
     assert hide_gated_keys(None, torch.tensor([True, True]), cached=0) is None
+
+
+def test_pruning_refuses_an_adapter_drafter(tmp_path):
+    from d3d.training.prune import PruneConfig, prune
+
+    target = tiny_model("llama", seed=3, layers=3)
+    with pytest.raises(ValueError, match="depth sweep"):
+        prune(adapter_drafter(target), target, [], [], PruneConfig(), tmp_path)
