@@ -122,10 +122,17 @@ class Compressed:
 # words); the shipped 7-layer drafter's own heads, trained for drafting, rank it at chance. So
 # the embedded default reads with the first 8 target layers: through the drafter itself when the
 # drafter's layers are those frozen target layers (a gated-adapter drafter), else with a copy.
+# Windows of 1,024 tokens make the reading linear in length (at 8k tokens: 5.3 s instead of
+# 13.8 s on one thread, against 63 s for the target's prefill).
 RETRIEVAL_HEADS = ((7, 7),)
 RETRIEVAL_DEPTH = 8
 SMOLLM2_ATTENTION = AttentionScoring(
-    layers=RETRIEVAL_DEPTH, reader="target", heads=RETRIEVAL_HEADS, lookahead=False, quantize=True
+    layers=RETRIEVAL_DEPTH,
+    reader="target",
+    heads=RETRIEVAL_HEADS,
+    lookahead=False,
+    quantize=True,
+    window=1024,
 )
 
 

@@ -133,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     tok = target.tokenizer
     items = calibration_items(tok, args.seeds, args.sizes, args.per_size)
     if args.what == "heads":
-        scorers = [
-            DrafterAttentionScorer.from_drafter(drafter, AttentionScoring(lookahead=la))
+        cfgs = [
+            AttentionScoring(layers=args.layers, reader=args.reader, lookahead=la)
             for la in (False, True)
         ]
+        first = make_attention_scorer(cfgs[0], drafter, target.model)
+        second = DrafterAttentionScorer.__new__(DrafterAttentionScorer)
+        second._setup(first.model, cfgs[1])  # the same reader, with the look-ahead block
+        scorers = [first, second]
         out: dict = {"items": len(items)}
         for la, table in zip(("off", "on"), head_table(scorers, items, tok), strict=True):
             order = sorted(

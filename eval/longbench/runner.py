@@ -18,6 +18,7 @@ the file. ``budget_s`` stops a run between records after that many seconds (resu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -25,10 +26,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from compression.compressor import DEFAULT_SCORER, CompressionConfig, ContextScores
 from compression.doc_cache import DocumentCache
 from compression.prompt import PromptParts
 from compression.qa import DocumentQA, Timings
+from compression.selection import Chunk
 from d3d.config import MODES, DecodeConfig
 from d3d.engine import Engine
 from eval.longbench import metrics
@@ -145,7 +149,7 @@ class Sweep:
         n = 0
         for item, scorer, keep, mode in todo:
             if budget_s is not None and time.perf_counter() - start > budget_s:
-                log.info("time budget of %.0f s spent: stopping (rerun to resume)", budget_s)
+                log.warning("time budget of %.0f s spent: stopping (rerun to resume)", budget_s)
                 break
             if item.id not in parts_cache:
                 parts_cache = {item.id: self.parts(item)}
@@ -163,12 +167,29 @@ class Sweep:
         return n
 
     def scores(self, item: Item, parts: PromptParts, scorer: str) -> ContextScores:
+        """An item's scores under a scorer, computed once per sweep folder: they are saved under
+        ``OUT/scores/`` with their measured seconds, so a resumed run or the next keep-ratio
+        pass does not read the item again (and charges the same seconds)."""
         key = (item.id, scorer)
-        if key not in self._scores:
-            self._scores = {k: v for k, v in self._scores.items() if k[0] == item.id}
+        if key in self._scores:
+            return self._scores[key]
+        path = (
+            self.out / "scores" / (hashlib.sha1(f"{item.id}|{scorer}".encode()).hexdigest() + ".pt")
+        )
+        if path.is_file():
+            saved = torch.load(path)
+            got = ContextScores(
+                saved["scores"], saved["seconds"], tuple(Chunk(*u) for u in saved["units"])
+            )
+        else:
             self.qa.cache.clear()  # each scorer pays its own document pass
-            self._scores[key] = self.qa.compressor(scorer).score(parts)
-        return self._scores[key]
+            got = self.qa.compressor(scorer).score(parts)
+            path.parent.mkdir(exist_ok=True)
+            units = [(u.start, u.end) for u in got.units]
+            torch.save({"scores": got.scores, "seconds": got.seconds, "units": units}, path)
+        self._scores = {k: v for k, v in self._scores.items() if k[0] == item.id}
+        self._scores[key] = got
+        return got
 
     def run_one(
         self,
