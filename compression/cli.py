@@ -153,7 +153,9 @@ def cmd_qa(args: argparse.Namespace) -> int:
     dcfg = decode_config(args)
     qa = document_qa(args)
     for question in questions:
-        result = qa.answer(document, question, dcfg)
+        result = qa.answer(
+            document, question, dcfg, draft_from_document=args.draft_from == "document"
+        )
         if args.json:
             print(json.dumps(result.to_dict()))
             continue
@@ -186,4 +188,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("qa", help="compress a document, then answer questions about it")
     _common(q)
     add_decode_args(q, default_max=64)
+    q.add_argument(
+        "--draft-from",
+        default="kept",
+        choices=["kept", "document"],
+        help="what the drafter reads: the kept prompt, or the full document (lossless either way)",
+    )
     q.set_defaults(func=cmd_qa)

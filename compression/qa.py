@@ -174,8 +174,12 @@ class DocumentQA:
         scorer: str | None = None,
         tokenize_s: float = 0.0,
         question: str = "",
+        draft_from_document: bool = False,
     ) -> QAResult:
-        """Compress prepared parts and answer (the sweep's entry point)."""
+        """Compress prepared parts and answer (the sweep's entry point).
+
+        ``draft_from_document``: the drafter reads the whole prompt (full document) while the
+        target reads the kept one (speculative modes; the answer is the same, lossless)."""
         with self.lock:
             cached = self.is_cached(parts, scorer)
             comp = self.compress(parts, keep_ratio, scorer)
@@ -185,7 +189,10 @@ class DocumentQA:
                     f"the kept prompt ({comp.kept_tokens} tokens) does not fit the target's "
                     f"{window}-token window: lower --keep"
                 )
-            gen = self.engine.generate_ids(comp.parts.ids, dcfg)
+            if draft_from_document:
+                gen = self.engine.generate_ids(comp.parts.ids, dcfg, draft_prompt_ids=parts.ids)
+            else:
+                gen = self.engine.generate_ids(comp.parts.ids, dcfg)
         st = gen.stats
         timings = Timings(tokenize_s, comp.seconds, st.prefill_seconds, st.decode_seconds)
         return QAResult(gen.text.strip(), question, comp, st.to_dict(), timings, cached)
@@ -198,12 +205,15 @@ class DocumentQA:
         keep_ratio: float | None = None,
         scorer: str | None = None,
         template: str | None = None,
+        draft_from_document: bool = False,
     ) -> QAResult:
         """Compress ``document`` for ``question``, then answer."""
         t0 = time.perf_counter()
         parts = self.parts(document, question, template, dcfg.chat_template)
         tokenize_s = time.perf_counter() - t0
-        return self.answer_parts(parts, dcfg, keep_ratio, scorer, tokenize_s, question)
+        return self.answer_parts(
+            parts, dcfg, keep_ratio, scorer, tokenize_s, question, draft_from_document
+        )
 
     def answer_all(
         self,
@@ -213,6 +223,10 @@ class DocumentQA:
         keep_ratio: float | None = None,
         scorer: str | None = None,
         template: str | None = None,
+        draft_from_document: bool = False,
     ) -> list[QAResult]:
         """Several questions about one document (the reader reads it once)."""
-        return [self.answer(document, q, dcfg, keep_ratio, scorer, template) for q in questions]
+        return [
+            self.answer(document, q, dcfg, keep_ratio, scorer, template, draft_from_document)
+            for q in questions
+        ]
