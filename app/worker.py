@@ -117,15 +117,21 @@ class EngineWorker:
         self.model_info: dict = {}
         self._inbox: queue.Queue[Job] = queue.Queue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="d3d-engine", daemon=True)
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None  # made in start(): apps get pickled (Ray)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        """Start the worker thread (idempotent: an ASGI lifespan and a Ray replica may both ask)."""
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="d3d-engine", daemon=True)
+                self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     @property
     def ready(self) -> bool:
