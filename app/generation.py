@@ -58,7 +58,7 @@ class Run:
         if kind == "error":
             raise payload if isinstance(payload, ApiError) else ApiError(500, "internal error")
         self.outcome.prepared = payload
-        self.outcome.queue_s = self.job.admitted - self.job.submitted
+        self.outcome.queue_s = self.job.dequeued - self.job.submitted
         return payload
 
     async def deltas(self) -> AsyncIterator[str]:

@@ -75,7 +75,8 @@ class Job:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.submitted = time.perf_counter()
-        self.admitted = 0.0
+        self.dequeued = 0.0  # the worker took it (queue time ends, prompt building starts)
+        self.admitted = 0.0  # its prompt joined the batch's waiting list
         self.req: GenRequest | None = None
         self._cancelled = threading.Event()
 
@@ -239,6 +240,7 @@ class EngineWorker:
     def _start(self, job: Job) -> None:
         if job.cancelled:
             return
+        job.dequeued = time.perf_counter()
         try:
             prepared = job.prepare(self.models)
             req = GenRequest(
