@@ -1,0 +1,61 @@
+"""DocumentQA on a tiny engine: compressors built once, the document read once for several
+questions, one definition of total_s, drafting from the full document is lossless."""
+
+from __future__ import annotations
+
+import pytest
+
+from compression.compressor import CompressionConfig
+from compression.drafter_scorers import AttentionScoring
+from compression.qa import DocumentQA, Timings
+from d3d.config import DecodeConfig
+from tests.engine.test_longbench_harness import tiny_engine
+
+DOC = "the cat sat on the mat. " * 10 + "the key is in the red box. " + "dogs bark at night. " * 10
+
+
+def tiny_qa() -> DocumentQA:
+    att = AttentionScoring(layers=1, heads=((0, 1),), lookahead=True)
+    return DocumentQA(tiny_engine(), CompressionConfig(chunk_size=8, attention=att))
+
+
+def test_second_question_reuses_the_reading_and_compressors_are_built_once():
+    qa = tiny_qa()
+    dcfg = DecodeConfig(mode="ar", max_new_tokens=4)
+    first, second = qa.answer_all(DOC, ["where is the key?", "what barks?"], dcfg, 0.2)
+    assert not first.cached and second.cached
+    assert qa.cache.stats()["hits"] >= 1 and len(qa.cache) == 1
+    assert qa.compressor() is qa.compressor("hybrid")
+    assert qa.compressor("drafter-attention").scorer is qa.attention()  # one shared reader
+    for r in (first, second):
+        t = r.timings
+        assert t.total_s == pytest.approx(t.tokenize_s + t.compress_s + t.prefill_s + t.decode_s)
+        d = r.to_dict()
+        assert d["timings"]["total_s"] == round(t.total_s, 4)
+        assert d["compression"]["kept_context_tokens"] <= round(
+            0.2 * d["compression"]["context_tokens"]
+        )
+    # keep 1.0 is the full prompt, read by no scorer
+    full = qa.answer(DOC, "where is the key?", dcfg, keep_ratio=1.0)
+    assert full.compression.kept_tokens == full.compression.total_tokens
+    assert full.timings.compress_s == 0.0
+    with pytest.raises(ValueError):
+        qa.answer("  ", "q?", dcfg)
+    with pytest.raises(ValueError):
+        qa.answer(DOC, " ", dcfg)
+
+
+def test_timings_sum():
+    t = Timings(0.1, 0.2, 0.3, 0.4)
+    assert t.total_s == pytest.approx(1.0) and t.to_dict()["total_s"] == 1.0
+
+
+def test_drafting_from_the_full_document_gives_the_same_answer():
+    qa = tiny_qa()
+    if "draft_prompt_ids" not in qa.engine.generate_ids.__code__.co_varnames:
+        pytest.skip("the engine has no draft_prompt_ids yet")
+    dcfg = DecodeConfig(mode="sync", max_new_tokens=8)
+    kept = qa.answer(DOC, "where is the key?", dcfg, 0.2)
+    whole = qa.answer(DOC, "where is the key?", dcfg, 0.2, draft_from_document=True)
+    assert whole.answer == kept.answer
+    assert whole.speculative["num_drafts"] > 0
