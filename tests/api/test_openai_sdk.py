@@ -118,3 +118,20 @@ def test_document_and_keep_ratio_through_extra_body(client):
     comp = r.model_extra["compression"]
     assert comp["scorer"] == "bm25" and comp["kept_context_tokens"] < comp["context_tokens"]
     assert comp["kept_spans"] and r.choices[0].message.content
+
+
+def test_concurrent_greedy_answers_equal_the_same_requests_alone(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["Name a colour.", "What is 2 + 2?", "Say hi to Bob.", "Name a river.", "Spell cat."]
+
+    def ask(p: str) -> str:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=12
+        )
+        return r.choices[0].message.content
+
+    alone = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
