@@ -11,8 +11,10 @@ context: ``sync`` = AL x t_step / (t_verify + t_block) (drafting in series), ``a
 t_step / max(t_verify, t_block) (drafting fully hidden beside verification, on its own core, and
 every branch guess a hit — an upper bound for the asynchronous pipeline).
 
-Run it under ``/work/quiet.sh`` (it times forwards):
-``python -m d3d.training.sweep --runs runs/sweep --depths 8 12 18 30 --out docs/depth_sweep``.
+Two steps: ``python -m d3d.training.sweep time --runs runs/sweep --depths 8 12 18 30`` (under
+``/work/quiet.sh``: it times forwards; an untrained drafter of a depth costs what a trained one
+does) writes ``timings.json``; ``python -m d3d.training.sweep report --runs runs/sweep --depths
+8 12 18 30 --out docs/depth_sweep`` joins it with the acceptance files.
 """
 
 from __future__ import annotations
@@ -95,35 +97,53 @@ def plot(rows: list[DepthRow], png: str | Path) -> Path:
     return Path(png)
 
 
-def main(argv: list[str] | None = None) -> int:
+def time_depths(depths: list[int], context: int, repeats: int) -> dict[int, dict]:
+    """Step, verify and block medians (ms) per depth; an untrained adapter drafter costs what a
+    trained one does, so this needs no training run."""
     from d3d.adapters import AdapterConfig
     from d3d.bench import run_micro
     from d3d.drafter import D3DDrafter
     from d3d.models import load_target
 
+    target = load_target("default")
+    out = {}
+    for n in depths:
+        drafter = D3DDrafter.from_target(target.model, n, adapter=AdapterConfig())
+        out[n] = run_micro(target.model, drafter, context, repeats).to_dict()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m d3d.training.sweep", description=__doc__)
-    p.add_argument("--runs", required=True, help="folder with L{N}.accept.json per depth")
+    p.add_argument(
+        "what", choices=["time", "report"], help="time the forwards, or write the report"
+    )
+    p.add_argument("--runs", required=True, help="folder with L{N}.accept.json and timings.json")
     p.add_argument("--depths", type=int, nargs="+", required=True)
-    p.add_argument("--out", required=True, help="folder for sweep.json, sweep.md, sweep.png")
+    p.add_argument("--out", default=None, help="report folder (sweep.json, sweep.md, sweep.png)")
     p.add_argument("--context", type=int, default=400)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target = load_target("default")
+    runs = Path(args.runs)
+    if args.what == "time":
+        torch.set_num_threads(args.threads)
+        doc = {"command": "python -m d3d.training.sweep " + " ".join(argv or []),
+               "timings": time_depths(args.depths, args.context, args.repeats)}  # fmt: skip
+        (runs / "timings.json").write_text(json.dumps(doc, indent=2))
+        print(json.dumps(doc))
+        return 0
+    timings = json.loads((runs / "timings.json").read_text())
     rows = []
     for n in args.depths:
-        acc = json.loads((Path(args.runs) / f"L{n}.accept.json").read_text())
-        drafter = D3DDrafter.from_target(target.model, n, adapter=AdapterConfig())
-        bench = run_micro(target.model, drafter, args.context, args.repeats)
+        acc = json.loads((runs / f"L{n}.accept.json").read_text())
+        t = timings["timings"][str(n)]
         per = acc["acceptance_per_position"]
-        rows.append(DepthRow(n, acc["acceptance_length"], per[0], per[1], bench.target_step_ms,
-                             bench.target_verify_ms, bench.drafter_block_ms))  # fmt: skip
-    out = Path(args.out)
+        rows.append(DepthRow(n, acc["acceptance_length"], per[0], per[1], t["target_step_ms"],
+                             t["target_verify_ms"], t["drafter_block_ms"]))  # fmt: skip
+    out = Path(args.out or runs)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"context": args.context, "repeats": args.repeats, "threads": args.threads}
-    doc = {"command": "python -m d3d.training.sweep " + " ".join(argv or []), **meta,
-           "rows": [r.to_dict() for r in rows]}  # fmt: skip
+    doc = {"timing_command": timings["command"], "rows": [r.to_dict() for r in rows]}
     (out / "sweep.json").write_text(json.dumps(doc, indent=2))
     (out / "sweep.md").write_text(markdown(rows) + "\n")
     plot(rows, out / "sweep.png")
