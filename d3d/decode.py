@@ -117,6 +117,13 @@ class Proposal:
     def k(self) -> int:
         return int(self.tokens.shape[0])
 
+    def first(self, n: int | None) -> Proposal:
+        """The proposal cut to its first ``n`` drafts (None: all of them)."""
+        if n is None or n >= self.k:
+            return self
+        q = None if self.q is None else self.q[:n]
+        return Proposal(self.tokens[:n], q, self.wait_s, self.hit, self.branches, self.failed)
+
 
 NO_DRAFT = Proposal(tokens=torch.zeros(0, dtype=torch.long))
 
@@ -140,9 +147,10 @@ class Proposer(Protocol):
 
     def propose(self, tokens: list[int]) -> Proposal: ...
 
-    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
-        """Round done: ``acc`` committed, the target took ``verify_s``; ``want_next``: the next
-        round will ask for a draft (an adaptive proposer may skip speculation)."""
+    def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
+        """Round done: ``acc`` committed, the target took ``verify_s``. ``next_len``: how many
+        drafts the next round will verify (None: a whole block; 0: none), which an adaptive
+        proposer sets and a worker uses to prepare only what will be used."""
         ...
 
     def close(self) -> None: ...
@@ -191,7 +199,7 @@ class ArProposer:
     def propose(self, tokens: list[int]) -> Proposal:
         return NO_DRAFT
 
-    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
+    def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -224,14 +232,15 @@ class SyncProposer:
         self.session = self.drafter.session(sampling, generator)
         self.prompt_len = len(prompt_ids)
         self.draft_prompt = list(draft_prompt_ids) if draft_prompt_ids is not None else None
+        self.next_len: int | None = None
 
     def propose(self, tokens: list[int]) -> Proposal:
         t0 = time.perf_counter()
         draft = self.session.draft(_draft_view(tokens, self.prompt_len, self.draft_prompt))
-        return Proposal(draft.tokens, draft.q, wait_s=time.perf_counter() - t0)
+        return Proposal(draft.tokens, draft.q, wait_s=time.perf_counter() - t0).first(self.next_len)
 
-    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
-        pass
+    def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
+        self.next_len = next_len
 
     def close(self) -> None:
         pass
@@ -276,9 +285,9 @@ def decode(
         stats.prefill_seconds = t1 - t0
         proposer.observe(Acceptance(num_accepted=0, tokens=[first]), t1 - t0)
 
-        tokens, emitted = list(prompt_ids), [first]
+        tokens = list(prompt_ids)
+        emitted, reason = _clip([first], eos_ids, cfg.max_new_tokens)
         while True:
-            emitted, reason = _clip(emitted, eos_ids, cfg.max_new_tokens - stats.num_tokens)
             tokens += emitted
             stats.num_tokens += len(emitted)
             stats.decode_seconds = time.perf_counter() - t1
@@ -291,9 +300,10 @@ def decode(
             acc = verify_round(target, tokens[-1], proposal, sampling, generator)
             verify_s = time.perf_counter() - tv
             proposer.observe(acc, verify_s)
+            emitted, reason = _clip(acc.tokens, eos_ids, cfg.max_new_tokens - stats.num_tokens)
             stats.record(
                 Round(
-                    acc.tokens,
+                    emitted,
                     proposal.k,
                     acc.num_accepted,
                     proposal.wait_s,
@@ -304,6 +314,5 @@ def decode(
                     failed=proposal.failed,
                 )
             )
-            emitted = acc.tokens
     finally:
         proposer.close()

@@ -255,7 +255,7 @@ class Engine:
         )
         if mode == "async":
             return spec
-        return AutoProposer(spec, self.host)
+        return AutoProposer(spec, self.host, max_len=self.drafter.block_size - 1)
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat_template)

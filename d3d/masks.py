@@ -123,28 +123,49 @@ def packed_block_positions(
 
 
 def branch_mask(
-    visible: list[int], cached_len: int, block_size: int, device: torch.device | str = "cpu"
+    visible: list[int],
+    cached_len: int,
+    block_size: int,
+    chain_len: int = 0,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Mask for n draft blocks (one per branch) appended to a cache, in one forward.
+    """Mask for C chain tokens and n draft blocks (one per branch) after a cache, in one forward.
 
-    Branch b's block sees the first ``visible[b]`` cached positions (the committed prefix plus
-    the part of the previous draft that branch assumes accepted) and every slot of its own
-    block; never another block, never the cached positions beyond its own outcome.
-    Returns bool [1, 1, n*B, S + n*B] with S = ``cached_len``.
+    The chain (the draft being verified, appended to the drafter's cache) is causal over the
+    cache and itself and sees no block. Branch b's block sees the first ``visible[b]`` positions
+    of cache + chain (the committed prefix plus the part of the draft that branch assumes
+    accepted) and every slot of its own block; never another block, never positions beyond its
+    own outcome. Returns bool [1, 1, C + n*B, S + C + n*B] with S = ``cached_len``.
     """
-    n, b = len(visible), block_size
+    n, b, c = len(visible), block_size, chain_len
     v = torch.tensor(visible, dtype=torch.long, device=device)
-    if n and (int(v.min()) < 0 or int(v.max()) > cached_len):
-        raise ValueError(f"visible lengths must lie in [0, {cached_len}], got {visible}")
+    if n and (int(v.min()) < 0 or int(v.max()) > cached_len + c):
+        raise ValueError(f"visible lengths must lie in [0, {cached_len + c}], got {visible}")
+    chain_rows = torch.cat(
+        [
+            causal_mask(cached_len, c, device)[0, 0],
+            torch.zeros(c, n * b, dtype=torch.bool, device=device),
+        ],
+        dim=1,
+    )
     block_of = torch.arange(n, device=device).repeat_interleave(b)  # [n*B]
-    to_cache = torch.arange(cached_len, device=device).unsqueeze(0) < v[block_of].unsqueeze(1)
-    to_blocks = block_of.unsqueeze(1) == block_of.unsqueeze(0)
-    return torch.cat([to_cache, to_blocks], dim=1).unsqueeze(0).unsqueeze(0)
+    keys = torch.arange(cached_len + c, device=device).unsqueeze(0)
+    block_rows = torch.cat(
+        [keys < v[block_of].unsqueeze(1), block_of.unsqueeze(1) == block_of.unsqueeze(0)], dim=1
+    )
+    return torch.cat([chain_rows, block_rows], dim=0).unsqueeze(0).unsqueeze(0)
 
 
 def branch_positions(
-    visible: list[int], block_size: int, device: torch.device | str = "cpu"
+    visible: list[int],
+    block_size: int,
+    cached_len: int = 0,
+    chain_len: int = 0,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Position ids [1, n*B]: branch b's block starts right after its visible prefix."""
+    """Position ids [1, C + n*B]: the chain continues the cache; branch b's block starts right
+    after its visible prefix."""
     v = torch.tensor(visible, dtype=torch.long, device=device)
-    return (v.unsqueeze(1) + torch.arange(block_size, device=device)).reshape(1, -1)
+    chain = torch.arange(cached_len, cached_len + chain_len, device=device)
+    blocks = (v.unsqueeze(1) + torch.arange(block_size, device=device)).reshape(-1)
+    return torch.cat([chain, blocks]).unsqueeze(0)

@@ -161,20 +161,23 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | N
     return ids
 
 
+def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (``[{"role": ..., "content": ...}, ...]``) ready for the assistant's
+    next turn, through the tokenizer's chat template."""
+    # Qwen3 templates read enable_thinking (non-thinking mode, as D3D is evaluated); other
+    # templates ignore the extra variable.
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, enable_thinking=False
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool = True
 ) -> list[int]:
     """Token ids of a user prompt, wrapped in the chat template when the tokenizer has one."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        # Qwen3 templates read enable_thinking (non-thinking mode, as D3D is evaluated); other
-        # templates ignore the extra variable.
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            tokenize=True,
-            enable_thinking=False,
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
     return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -1,27 +1,34 @@
-"""``auto``: speculation only where it pays, decided per request from measured costs.
+"""``auto``: speculation only where it pays, and only as far ahead as pays, from measured costs.
 
-Speculation is a bet: a round costs a verify forward (plus any drafting left on the critical
-path) and yields the acceptance length's worth of tokens; a plain step costs one decode step and
-yields one. :class:`SpeculationPolicy` keeps both sides' measured figures and, before every
-round, compares the rates:
+A speculative round that verifies n drafts costs one target forward over n + 1 tokens plus any
+drafting left on the critical path, and yields ``E(n) = 1 + sum_{j<=n} prod_{i<=j} a_i`` tokens
+on average, where ``a_i`` is the chance that draft i is accepted once drafts 1..i-1 were. A plain
+step costs one decode step and yields one token. :class:`SpeculationPolicy` keeps the measured
+figures and, before every round, picks
 
-    speculate  iff  AL / t_round  >  (1 + margin) / t_step
+    n* = argmax_n E(n) / t_round(n),   t_round(n) = t_step + c n + t_wait
 
-- ``t_step`` and ``t_round`` are moving averages of measured round times (``t_round`` includes
-  the wait for the drafter, so misses and a slow drafter count against speculation). They are
-  host costs, kept in a :class:`HostCosts` that the engine shares across requests.
-- ``AL`` (tokens per speculative round) is this request's own moving average, started from the
-  host's; acceptance depends on the text, so it is learned per request.
-- Each quantity is measured before it is trusted: a request first takes one plain step when the
-  host has no step time, and speculates for a warm-up of rounds when it has no round figures.
-- While off, it *probes*: after ``probe_every`` plain tokens it runs ``probe_rounds``
-  speculative rounds to refresh AL and t_round; each probe that still loses doubles the interval
-  (up to ``max_probe_every``), a winning one switches speculation back on. The first round of a
-  probe usually misses the asynchronous branches (the worker had no chain to branch from), so
-  the first round of every run of speculative rounds never updates ``t_round``.
+and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_round(n*) >
+(1 + margin) / t_step``; otherwise it takes a plain step.
 
-With the host's figures showing speculation losing, a request starts with speculation off; the
-cost of being wrong is bounded by the probes, a few rounds per few hundred tokens.
+- ``t_step`` (plain step), ``c`` (the verify forward's cost per extra token, from measured
+  verify times: ``(t_verify - t_step) / n``) and ``t_wait`` (drafting left on the critical path
+  per round: all of it for ``sync``, misses for ``async``) are host costs, moving averages kept
+  in a :class:`HostCosts` that the engine shares across requests.
+- ``a_i`` are counts of (reached, accepted) per draft position with exponential forgetting:
+  this request's own, shrunk towards the host's (acceptance depends on the text).
+- Verifying fewer drafts is the lever on a host where the verify forward is expensive (this
+  CPU: 16 tokens cost ~2.4 steps): a drafter accepted ~50% at position 1 pays at n = 2-4 and
+  loses at n = 15.
+- Each figure is measured before it is trusted: a request takes one plain step when the host has
+  no step time, and speculates with the whole block while it lacks round figures.
+- While off it *probes*: after ``probe_every`` plain tokens it runs ``probe_rounds`` speculative
+  rounds at the best length; each probe that still loses doubles the interval (up to
+  ``max_probe_every``), a winning one switches speculation back on. Acceptance counts forget
+  only at the positions a round tried, so what was measured beyond the length in use stays;
+  every ``explore_every``-th speculative round tries the next longer length to keep measuring.
+  The first round of every run of speculative rounds waits for a cold draft (the asynchronous
+  worker had no chain to branch from), so its wait never updates ``t_wait``.
 """
 
 from __future__ import annotations
@@ -36,14 +43,63 @@ from d3d.decode import NO_DRAFT, Proposal, Proposer
 from d3d.pipeline.budget import Ema
 from d3d.verify import Acceptance
 
+LENGTHS = (1, 2, 3, 4, 6, 8, 11, 15)  # draft lengths the policy chooses among
+
+
+@dataclass
+class PositionStats:
+    """Conditional acceptance per draft position, with exponential forgetting."""
+
+    decay: float = 0.97
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def update(self, drafted: int, num_accepted: int) -> None:
+        need = max(drafted, len(self.reached))
+        self.reached += [0.0] * (need - len(self.reached))
+        self.accepted += [0.0] * (need - len(self.accepted))
+        # Positions 1..n+1 were tried; only they forget, so what is known of positions beyond
+        # the drafts in use stays until a longer draft measures them again.
+        for i in range(min(num_accepted + 1, drafted)):
+            self.reached[i] = self.reached[i] * self.decay + 1.0
+            self.accepted[i] = self.accepted[i] * self.decay + float(i < num_accepted)
+
+    def rates(
+        self, n: int, prior: PositionStats | None = None, strength: float = 2.0
+    ) -> list[float]:
+        """a_1..a_n, each shrunk towards ``prior``'s, or without one towards the position
+        before it (conditional acceptance changes slowly along a block; 0.5 for the first)."""
+        out: list[float] = []
+        base_rates = prior.rates(n) if prior is not None else None
+        for i in range(n):
+            base = base_rates[i] if base_rates is not None else (out[-1] if out else 0.5)
+            r = self.reached[i] if i < len(self.reached) else 0.0
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            out.append((a + strength * base) / (r + strength))
+        return out
+
+    @property
+    def observed(self) -> bool:
+        return bool(self.reached) and self.reached[0] > 0
+
+
+def expected_tokens(rates: Sequence[float]) -> float:
+    """E(n) = 1 + sum_j prod_{i<=j} a_i: tokens per round when n = len(rates) drafts are verified."""
+    total, run = 1.0, 1.0
+    for a in rates:
+        run *= a
+        total += run
+    return total
+
 
 @dataclass
 class HostCosts:
     """Measured costs of this host, shared by the requests of one engine."""
 
     step_s: Ema = field(default_factory=lambda: Ema(0.1))
-    round_s: Ema = field(default_factory=lambda: Ema(0.1))
-    accept: Ema = field(default_factory=lambda: Ema(0.05))
+    per_token_s: Ema = field(default_factory=lambda: Ema(0.1))
+    wait_s: Ema = field(default_factory=lambda: Ema(0.1))
+    accept: PositionStats = field(default_factory=lambda: PositionStats(decay=0.99))
 
 
 @dataclass
@@ -51,74 +107,105 @@ class SpeculationPolicy:
     """Per-request decision rule (see the module docstring)."""
 
     host: HostCosts
+    max_len: int = 15
     margin: float = 0.03
-    warmup_rounds: int = 3
     probe_every: int = 16
     max_probe_every: int = 512
     probe_rounds: int = 2
-    accept: Ema = field(default_factory=lambda: Ema(0.25))
+    explore_every: int = 16
+    accept: PositionStats = field(default_factory=PositionStats)
     on: bool = True
+    best: int = 15
     probe_left: int = 0
     since_probe: int = 0
     interval: int = 0
     spec_rounds: int = 0
 
     def __post_init__(self) -> None:
-        self.accept.value = self.host.accept.value
         self.interval = self.probe_every
-        self.on = self._pays() if self._known() else True
+        self.best = self.max_len
+        if self._known():
+            self._decide()
 
     def _known(self) -> bool:
-        return None not in (self.host.step_s.value, self.host.round_s.value, self.accept.value)
+        h = self.host
+        return (
+            None not in (h.step_s.value, h.per_token_s.value, h.wait_s.value) and h.accept.observed
+        )
 
-    def _pays(self) -> bool:
-        step, rnd, al = self.host.step_s.value, self.host.round_s.value, self.accept.value
-        return al / rnd > (1.0 + self.margin) / step
+    def rate(self, n: int) -> float:
+        """Expected tokens per second when verifying n drafts."""
+        h = self.host
+        a = self.accept.rates(n, prior=h.accept)
+        return expected_tokens(a) / (h.step_s.value + h.per_token_s.value * n + h.wait_s.value)
 
-    def speculate(self) -> bool:
-        """Should the next round speculate?"""
+    def _decide(self) -> None:
+        lengths = [n for n in LENGTHS if n < self.max_len] + [self.max_len]
+        self.best = max(lengths, key=self.rate)
+        self.on = self.rate(self.best) > (1.0 + self.margin) / self.host.step_s.value
+
+    def next_len(self) -> int:
+        """Drafts to verify in the next round: 0 for a plain step."""
         if self.host.step_s.value is None:
-            return False  # measure a plain step first (one token)
-        if self.probe_left > 0 or not self._known():
-            return True
-        return self.on
+            return 0  # measure a plain step first (one token)
+        if not self._known():
+            return self.max_len
+        if self.on and self.spec_rounds % self.explore_every == self.explore_every - 1:
+            longer = [n for n in LENGTHS if self.best < n < self.max_len] + [self.max_len]
+            return longer[0]  # now and then one length further, to keep measuring it
+        return self.best if self.on or self.probe_left > 0 else 0
 
-    def record(self, speculative: bool, tokens: int, seconds: float, first_of_run: bool) -> None:
-        """A finished round: ``tokens`` emitted in ``seconds``; ``first_of_run``: the first
-        speculative round after plain ones (its time includes a cold draft)."""
-        if not speculative:
-            self.host.step_s.add(seconds / max(tokens, 1))
+    def record(
+        self,
+        drafted: int,
+        num_accepted: int,
+        tokens: int,
+        verify_s: float,
+        wait_s: float,
+        first_of_run: bool,
+    ) -> None:
+        """A finished round: ``drafted`` drafts verified (0: a plain step), ``tokens`` emitted;
+        its target time and the wait for its draft; ``first_of_run``: the first speculative
+        round after plain ones."""
+        h = self.host
+        if drafted == 0:
+            h.step_s.add(verify_s / max(tokens, 1))
             if not self.on:
                 self.since_probe += tokens
                 if self.since_probe >= self.interval:
                     self.probe_left, self.since_probe = self.probe_rounds, 0
             return
-        self.accept.add(tokens)
-        self.host.accept.add(tokens)
+        self.spec_rounds += 1
+        self.accept.update(drafted, num_accepted)
+        h.accept.update(drafted, num_accepted)
+        if h.step_s.value is not None:
+            h.per_token_s.add(max(verify_s - h.step_s.value, 0.0) / drafted)
         if not first_of_run:
-            self.host.round_s.add(seconds)
+            h.wait_s.add(wait_s)
+        elif h.wait_s.value is None:
+            return  # nothing to judge with yet
         if self.probe_left > 0:
             self.probe_left -= 1
-            if self.probe_left == 0:  # the probe is over: judge it
-                self.on = self._pays()
+            if self.probe_left == 0 and self._known():  # the probe is over: judge it
+                self._decide()
                 self.interval = (
                     self.probe_every if self.on else min(2 * self.interval, self.max_probe_every)
                 )
             return
-        self.spec_rounds += 1
-        if self.spec_rounds >= self.warmup_rounds and self._known():
-            self.on = self._pays()
+        if self._known():
+            self._decide()
 
 
 class AutoProposer:
-    """Speculates through ``spec`` (async or sync) when the policy says it pays, else proposes
+    """Speculates through ``spec`` (async or sync) as far as the policy says pays, else proposes
     nothing (a plain target step). The split of tokens is in the stats (spec/ar tokens)."""
 
     name = "auto"
 
-    def __init__(self, spec: Proposer, host: HostCosts):
+    def __init__(self, spec: Proposer, host: HostCosts, max_len: int = 15):
         self.spec = spec
         self.host = host
+        self.max_len = max_len
 
     def start(
         self,
@@ -127,25 +214,31 @@ class AutoProposer:
         generator: torch.Generator | None,
         draft_prompt_ids: Sequence[int] | None = None,
     ) -> None:
-        self.policy = SpeculationPolicy(self.host)
+        self.policy = SpeculationPolicy(self.host, max_len=self.max_len)
         self.spec.start(prompt_ids, sampling, generator, draft_prompt_ids)
         self.current: Proposal | None = None
-        self.next_spec = self.policy.speculate()
+        self.next_len = self.policy.next_len()
         self.prev_spec = False
 
     def propose(self, tokens: list[int]) -> Proposal:
-        self.current = self.spec.propose(tokens) if self.next_spec else NO_DRAFT
+        self.current = self.spec.propose(tokens) if self.next_len else NO_DRAFT
         return self.current
 
-    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
-        if self.current is not None:  # round 0 (the prefill) has no proposal
-            spec = self.current.k > 0
+    def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
+        cur = self.current
+        if cur is not None:  # round 0 (the prefill) has no proposal
+            spec = cur.k > 0
             self.policy.record(
-                spec, len(acc.tokens), self.current.wait_s + verify_s, spec and not self.prev_spec
+                cur.k,
+                acc.num_accepted,
+                len(acc.tokens),
+                verify_s,
+                cur.wait_s,
+                spec and not self.prev_spec,
             )
             self.prev_spec = spec
-        self.next_spec = want_next and self.policy.speculate()
-        self.spec.observe(acc, verify_s, want_next=self.next_spec)
+        self.next_len = self.policy.next_len() if next_len != 0 else 0
+        self.spec.observe(acc, verify_s, next_len=self.next_len)
 
     def close(self) -> None:
         self.spec.close()

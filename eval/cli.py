@@ -135,3 +135,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     inner = p.add_subparsers(dest="harness", required=True)
     lb = inner.add_parser("longbench", help="LongBench score vs latency over keep ratios")
     add_longbench_args(lb)
+    from eval.speed.cli import register_speed
+    from eval.speed.depths import register_depths
+
+    register_speed(inner)
+    register_depths(inner)

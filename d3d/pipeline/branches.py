@@ -41,7 +41,7 @@ def outcome_logp(draft: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
     k = draft.shape[0]
     if dist.shape[0] != k + 1:
         raise ValueError(f"dist must have K+1={k + 1} rows, got {dist.shape[0]}")
-    logd = dist.float().clamp_min(1e-30).log()
+    logd = dist.float().log()  # zero probability: -inf, never chosen
     log_c = logd[torch.arange(k), draft] if k else logd.new_zeros(0)  # [K]
     prefix = torch.cat([log_c.new_zeros(1), log_c.cumsum(0)])  # [K+1]: sum_{j<=k} log c_j
     scores = prefix.unsqueeze(1) + logd
@@ -69,6 +69,8 @@ def choose_branches(
         if picked:
             flat[torch.tensor(picked)] = float("-inf")
         top = flat.topk(min(n - len(picked), flat.numel()))
-        picked += [int(i) for i, s in zip(top.indices, top.values, strict=True) if s > -1e30]
+        picked += [
+            int(i) for i, s in zip(top.indices, top.values, strict=True) if s > -float("inf")
+        ]
     out = [Outcome(k=i // v, r=i % v, p=float(scores.flatten()[i].exp())) for i in picked]
     return sorted(out, key=lambda o: -o.p)

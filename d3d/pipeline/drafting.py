@@ -3,13 +3,16 @@
 After the drafter hands out a block ``d_1..d_K`` (anchored at the last committed token a), it
 prepares the next round while the target verifies:
 
-1. :func:`encode_chain` appends ``[a, d_1..d_K]`` to its cache causally (the part of that chain
-   the target accepts becomes committed prefix, so the work is never wasted) and reads its own
-   next-token distribution at every chain position, the causal view of each outcome.
-2. :func:`draft_branches` drafts one block ``[r, MASK x K]`` per chosen outcome (k, r), all in one
-   forward: block b sees the cache up to ``a, d_1..d_{k_b}`` and its own slots (a 4D mask from
-   :func:`d3d.masks.branch_mask`), sits at the positions it will have if that outcome happens,
-   and its KV is dropped afterwards.
+- :func:`draft_branches`, one forward: it appends as much of the chain ``[a, d_1..d_m]`` as the
+  chosen outcomes need (m = their largest k; that part becomes committed prefix if accepted, so
+  the work is not wasted) and drafts one block ``[r, MASK x K]`` per outcome (k, r): block b
+  sees the cache and chain up to ``a, d_1..d_{k_b}`` and its own slots (a 4D mask from
+  :func:`d3d.masks.branch_mask`), sits at the positions it will have if that outcome happens,
+  and its KV is dropped afterwards. On this CPU a forward costs about its token count, so a
+  weak drafter, whose likely outcomes are k = 0 or 1, pays for a chain of one or two tokens, not
+  sixteen.
+- :func:`encode_chain`: append tokens causally and read the drafter's next-token scores there
+  (the first block of a request: the prompt's last token predicts the first answer token).
 
 All drafter forwards go through :meth:`D3DDrafter.body`, which knows the mask slots.
 Letters: S cached length, K = B-1 draft length, n branches, V_d draft vocabulary, H hidden.
@@ -39,23 +42,35 @@ def encode_chain(drafter: D3DDrafter, cache: DynamicCache, ids: Sequence[int]) -
 
 @torch.inference_mode()
 def draft_branches(
-    drafter: D3DDrafter, cache: DynamicCache, visible: list[int], anchors: list[int]
+    drafter: D3DDrafter,
+    cache: DynamicCache,
+    visible: list[int],
+    anchors: list[int],
+    chain: Sequence[int] = (),
 ) -> torch.Tensor:
-    """One forward drafting a block per branch; draft-space scores [n, K, V_d].
+    """One forward: append ``chain`` [C] to the cache causally and draft a block per branch;
+    draft-space scores [n, K, V_d].
 
-    Branch b's block ``[anchors[b], MASK x K]`` sees the first ``visible[b]`` cached tokens.
-    The cache is left as it was.
+    Branch b's block ``[anchors[b], MASK x K]`` sees the first ``visible[b]`` positions of
+    cache + chain. Afterwards the cache holds the chain too, and no block.
     """
-    n, b = len(anchors), drafter.block_size
+    n, b, c = len(anchors), drafter.block_size, len(chain)
     dev = drafter.device
     s = cache_length(cache)
-    embeds = drafter.block_embeds(torch.tensor(anchors, device=dev))  # [n, B, H]
-    embeds = embeds.reshape(1, n * b, -1)
+    blocks = drafter.block_embeds(torch.tensor(anchors, device=dev)).reshape(1, n * b, -1)
+    parts = [blocks]
+    if c:
+        parts.insert(0, drafter.lm.get_input_embeddings()(torch.tensor([list(chain)], device=dev)))
+    embeds = torch.cat(parts, dim=1)
     mask = masks.to_model_mask(
-        masks.branch_mask(visible, s, b, dev), drafter.lm.config._attn_implementation, embeds.dtype
+        masks.branch_mask(visible, s, b, c, dev),
+        drafter.lm.config._attn_implementation,
+        embeds.dtype,
     )
-    slots = torch.ones(n * b, dtype=torch.bool, device=dev)
-    slots[::b] = False  # each block's first slot holds a real token
-    hidden = drafter.body(embeds, masks.branch_positions(visible, b, dev), mask, cache, slots)
+    slots = torch.ones(c + n * b, dtype=torch.bool, device=dev)
+    slots[:c] = False
+    slots[c::b] = False  # each block's first slot holds a real token
+    pos = masks.branch_positions(visible, b, s, c, dev)
+    hidden = drafter.body(embeds, pos, mask, cache, slots)
     trim_cache(cache, n * b)
-    return drafter.head(hidden[0].view(n, b, -1)[:, : b - 1])
+    return drafter.head(hidden[0, c:].view(n, b, -1)[:, : b - 1])

@@ -81,6 +81,7 @@ class AsyncProposer:
         self.failed = False
         self.failure_reported = False
         self.expect: int | None = None
+        self.next_len: int | None = None
         self.last_target_s = 0.0
         self.device = generator.device if generator is not None else torch.device("cpu")
         prompt = list(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
@@ -92,13 +93,14 @@ class AsyncProposer:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(62)
         self._send(Open(self.sid, prompt, sampling, seed))
 
-    def observe(self, acc: Acceptance, verify_s: float, want_next: bool = True) -> None:
+    def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
         self.committed += len(acc.tokens)
         self.last_target_s = verify_s
         if self.failed:
             return
-        self.expect = self.committed if want_next else None
-        self._send(Commit(self.sid, list(acc.tokens), want_next, verify_s))
+        self.expect = self.committed if next_len != 0 else None
+        self.next_len = next_len
+        self._send(Commit(self.sid, list(acc.tokens), verify_s, next_len))
 
     def propose(self, tokens: list[int]) -> Proposal:
         if self.failed or self.expect is None:
@@ -125,7 +127,9 @@ class AsyncProposer:
                 torch.as_tensor(msg.q_ids, dtype=torch.long, device=self.device),
                 torch.as_tensor(msg.q_probs, dtype=torch.float32, device=self.device),
             )
-        return Proposal(d, q, wait_s=self.clock() - t0, hit=msg.hit, branches=msg.branches)
+        return Proposal(d, q, wait_s=self.clock() - t0, hit=msg.hit, branches=msg.branches).first(
+            self.next_len
+        )
 
     def close(self) -> None:
         if self.sid is not None:

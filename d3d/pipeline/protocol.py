@@ -6,7 +6,7 @@ frozen dataclass that pickles cheaply, so the same objects travel over a thread 
 to another process, or a test's fake link.
 
 Target -> worker: :class:`Open` (a request's drafter prompt), :class:`Commit` (the tokens a
-round committed, and whether the next round wants a block), :class:`Close`.
+round committed, and how much of a block the next round wants), :class:`Close`.
 Worker -> target: :class:`Ready` once the drafter is loaded, :class:`Block` (the draft for the
 committed length ``pos``), :class:`Failed`.
 """
@@ -30,13 +30,18 @@ class Open:
 
 @dataclass(frozen=True)
 class Commit:
-    """``tokens`` committed by the last round (accepted drafts + the target's token). ``want``:
-    the next round is speculative and needs a block; ``verify_s``: the round's target time."""
+    """``tokens`` committed by the last round (accepted drafts + the target's token);
+    ``verify_s``: the round's target time; ``next_len``: how many drafts the next round will
+    verify (None: the whole block; 0: none, a plain target step follows)."""
 
     sid: int
     tokens: list[int]
-    want: bool
     verify_s: float
+    next_len: int | None = None
+
+    @property
+    def wants_block(self) -> bool:
+        return self.next_len != 0
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class ServerConfig:
     cover: bool = False  # cover each position before filling the budget (see branches.py)
     q_top: int = 1024  # slots' proposal distributions keep their M most likely tokens
     safety: float = 0.85  # branch work must fit in this share of the verify time
+    fixed_branches: int | None = None  # a fixed number per round instead of the budget's
 
 
 class DraftServer:
@@ -85,7 +86,7 @@ class DraftServer:
             if isinstance(msg, Open):
                 sess = _Session(msg.sampling, msg.seed, list(msg.prompt_ids))
                 self.sessions[msg.sid] = sess
-                self._prepare(sess, None)
+                self._prepare(sess, None, None)
             elif isinstance(msg, Commit):
                 sess = self.sessions.get(msg.sid)
                 if sess is not None:
@@ -108,7 +109,7 @@ class DraftServer:
         offered = len(sess.branches)
         prepared = sess.branches.get((before, len(msg.tokens) - 1, msg.tokens[-1]))
         sess.branches = {}
-        if not msg.want:  # a plain target step follows: just keep the cache up to date
+        if not msg.wants_block:  # a plain target step follows: just keep the cache up to date
             self._catch_up(sess)
             return
         t0 = self.clock()
@@ -125,7 +126,7 @@ class DraftServer:
             q_ids=prepared.q_ids,
             q_probs=prepared.q_probs,
         )
-        self._prepare(sess, prepared)
+        self._prepare(sess, prepared, msg.next_len)
 
     # ----- cache bookkeeping ------------------------------------------------------------
     def _rewind(self, sess: _Session) -> list[int]:
@@ -176,28 +177,45 @@ class DraftServer:
         return Prepared(tokens, scores, q_ids, vals.float().cpu().numpy())
 
     @torch.inference_mode()
-    def _prepare(self, sess: _Session, block: Prepared | None) -> None:
-        """Encode the chain ``[anchor, d_1..d_K]`` and draft the branches for the most likely
-        outcomes of its verification (``block`` None: the first token after the prompt)."""
+    def _prepare(self, sess: _Session, block: Prepared | None, length: int | None) -> None:
+        """Draft the branches for the most likely outcomes of the verification of ``block``
+        (None: of the prefill, i.e. the first answer token) of which the target verifies the
+        first ``length`` drafts (None: all), and encode as much of the draft chain as they
+        need, all in one forward (see :mod:`d3d.pipeline.drafting`)."""
         d = self.drafter
         t0 = self.clock()
-        drafts = block.tokens if block is not None else []
-        pending = self._rewind(sess)
-        causal = encode_chain(d, sess.cache, [*pending, sess.committed[-1], *drafts])
-        sess.cached_ids = sess.committed + drafts
-        dist = torch.softmax(causal[len(pending) :].float(), dim=-1)  # [K+1, V_d]
-        if block is not None:  # the block's own (bidirectional) view of each slot, blended in
-            k = len(drafts)
-            dist[:k] = 0.5 * (dist[:k] + torch.softmax(block.scores.float(), dim=-1))
+        pending, anchor = self._rewind(sess), sess.committed[-1]
+        n0 = len(sess.committed)  # the anchor is committed token n0 - 1
+        if block is None:  # the drafter's own next-token view at the prompt's end
+            scores = encode_chain(d, sess.cache, [*pending, anchor])[-1:]  # [1, V_d]
+            sess.cached_ids, pending = list(sess.committed), []
+            drafts: list[int] = []
+        else:  # the target verifies the first `length` drafts: rows 0..length are outcomes
+            k_all = len(block.tokens)
+            n = k_all if length is None else min(length, k_all)
+            scores, drafts = block.scores[: n + 1], block.tokens[:n]  # [<=n+1, V_d]
+        # Row k predicts the token after k accepted drafts; with the whole block verified the
+        # bonus (k = K) has no row of its own: a zero row leaves it out.
+        dist = torch.softmax(scores.float(), dim=-1)
+        if dist.shape[0] == len(drafts):
+            dist = torch.cat([dist, dist.new_zeros(1, dist.shape[1])])
         draft_idx = torch.tensor(drafts, dtype=torch.long, device=dist.device)
         if d.draft_index is not None:
             draft_idx = d.draft_index.to(dist.device)[draft_idx].clamp_min(0)
-        outcomes = choose_branches(draft_idx, dist, self.budget.choose(), self.cfg.cover)
+        n = self.cfg.fixed_branches
+        outcomes = choose_branches(
+            draft_idx, dist, self.budget.choose() if n is None else n, self.cfg.cover
+        )
+        m = max((o.k for o in outcomes), default=0)
+        chain = [*pending, anchor, *drafts[:m]] if block is not None else []
         if outcomes:
-            n0 = len(sess.committed)  # the anchor is committed token n0 - 1
-            anchors = d.to_target_ids(torch.tensor([o.r for o in outcomes], device=d.device))
-            anchors_l = [int(a) for a in anchors.tolist()]
-            scores = draft_branches(d, sess.cache, [n0 + o.k for o in outcomes], anchors_l)
-            for o, a, sc in zip(outcomes, anchors_l, scores, strict=True):
-                sess.branches[(n0, o.k, a)] = self._finish(sess, sc, n0 + o.k + 1)
+            ids = d.to_target_ids(torch.tensor([o.r for o in outcomes], device=d.device)).tolist()
+            visible = [n0 + o.k for o in outcomes]
+            branch_scores = draft_branches(d, sess.cache, visible, ids, chain)
+            for o, r, sc in zip(outcomes, ids, branch_scores, strict=True):
+                sess.branches[(n0, o.k, int(r))] = self._finish(sess, sc, n0 + o.k + 1)
+        elif chain:  # no branch fits: still take the commit's catch-up off the critical path
+            d.encode(chain, sess.cache)
+        if chain:
+            sess.cached_ids = sess.committed + drafts[:m]
         self.budget.observe_cost(len(outcomes), self.clock() - t0)

@@ -74,7 +74,7 @@ class ScriptedWorker:
         elif isinstance(msg, Commit):
             s = self.sessions[msg.sid]
             s["ids"] += msg.tokens
-            if not msg.want or s["hung"]:
+            if not msg.wants_block or s["hung"]:
                 return
             action = self._next_action()
             pos = len(s["ids"])

@@ -66,7 +66,7 @@ def test_server_hit_serves_the_prepared_branch_and_miss_drafts_now():
     assert sess.branches, "branches for the first token are prepared during the prefill"
     (pos, k, r), prepared = next(iter(sess.branches.items()))
     assert (pos, k) == (4, 0)
-    [blk] = _run(server, [Commit(1, [r], True, 0.1)])
+    [blk] = _run(server, [Commit(1, [r], 0.1)])
     assert isinstance(blk, Block) and blk.hit is True and blk.pos == 5
     assert blk.tokens == prepared.tokens
     # the same block, drafted the synchronous way
@@ -76,7 +76,7 @@ def test_server_hit_serves_the_prepared_branch_and_miss_drafts_now():
     # a token no branch expected: a miss, drafted at once, still correct
     keys = set(server.sessions[1].branches)
     miss_r = next(t for t in range(100) if (5, 0, t) not in keys)
-    [blk2] = _run(server, [Commit(1, [miss_r], True, 0.1)])
+    [blk2] = _run(server, [Commit(1, [miss_r], 0.1)])
     assert blk2.hit is False and blk2.pos == 6
     with torch.inference_mode():
         ref2 = drafter.block_scores(miss_r, _cache_with(drafter, [5, 6, 7, 8, r]))
@@ -90,7 +90,7 @@ def test_server_without_want_only_catches_up():
     drafter = D3DDrafter.from_target(target, 1, block_size=4)
     server = DraftServer(drafter)
     _run(server, [Open(1, [5, 6, 7], SamplingConfig(), 0)])
-    assert _run(server, [Commit(1, [9], False, 0.01), Commit(1, [10], False, 0.01)]) == []
+    assert _run(server, [Commit(1, [9], 0.01, 0), Commit(1, [10], 0.01, 0)]) == []
     assert server.sessions[1].cached_ids == [5, 6, 7, 9]
 
 
@@ -100,8 +100,25 @@ def test_sampled_blocks_carry_their_sparse_q():
     server = DraftServer(drafter, ServerConfig(q_top=8))
     sampling = SamplingConfig(temperature=1.0, seed=3)
     _run(server, [Open(1, [5, 6, 7], sampling, 3)])
-    [blk] = _run(server, [Commit(1, [9], True, 0.01)])
+    [blk] = _run(server, [Commit(1, [9], 0.01)])
     assert blk.q_ids.shape == (3, 8) and blk.q_probs.shape == (3, 8)
     assert abs(blk.q_probs.sum(1) - 1).max() < 1e-5
     for tok, ids in zip(blk.tokens, blk.q_ids, strict=True):
         assert tok in ids.tolist(), "each draft token was sampled from its slot's q"
+
+
+def test_chain_and_branches_in_one_forward_equal_the_two_step_way():
+    target = tiny_model("llama", seed=4)
+    drafter = D3DDrafter.from_target(target, 2, block_size=4)
+    prefix, anchor, drafts = [3, 8, 13, 21], 34, [40, 41, 42]
+    outcomes = [(0, 7), (2, 9)]  # the chain needs a, d_1, d_2
+    n0 = len(prefix) + 1
+    visible = [n0 + k for k, _ in outcomes]
+    cache = _cache_with(drafter, prefix)
+    fused = draft_branches(
+        drafter, cache, visible, [r for _, r in outcomes], chain=[anchor, *drafts[:2]]
+    )
+    assert cache.get_seq_length() == len(prefix) + 3, "the chain stays cached, no block does"
+    ref_cache = _cache_with(drafter, [*prefix, anchor, *drafts[:2]])
+    ref = draft_branches(drafter, ref_cache, visible, [r for _, r in outcomes])
+    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)

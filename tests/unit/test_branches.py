@@ -74,3 +74,14 @@ def test_branch_mask_each_block_sees_its_prefix_and_itself():
 def test_probabilities_are_plain_floats():
     o = choose_branches(torch.tensor([0]), dist_rows([0.5, 0.5], [1.0, 0.0]), 1)[0]
     assert isinstance(o.p, float) and math.isfinite(o.p)
+
+
+def test_branch_mask_with_a_chain_in_the_same_forward():
+    # cache of 2, chain of 2 (causal), one branch that sees cache + the chain's first token
+    m = masks.branch_mask([3], cached_len=2, block_size=2, chain_len=2)[0, 0]
+    assert m.shape == (4, 6)
+    assert m[0].tolist() == [True, True, True, False, False, False]
+    assert m[1].tolist() == [True, True, True, True, False, False]
+    assert m[2].tolist() == [True, True, True, False, True, True]
+    pos = masks.branch_positions([3], 2, cached_len=2, chain_len=2)
+    assert pos.tolist() == [[2, 3, 3, 4]]
