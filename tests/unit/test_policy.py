@@ -70,7 +70,7 @@ def test_a_weak_drafter_is_switched_off_and_probed_rarely():
 def test_a_half_accepted_drafter_pays_with_short_drafts():
     rates = [0.5, 0.4, 0.33, 0.3] + [0.25] * 11
     policy = SpeculationPolicy(HostCosts())
-    spec, _, seconds, lengths = simulate(policy, 1024, lambda i: rates[i])
+    _spec, _, seconds, _lengths = simulate(policy, 1024, lambda i: rates[i])
     assert policy.on and 1 <= policy.best <= 4, "verifying the whole block would lose here"
     assert seconds < 0.85 * 1024 * STEP
     # with the whole block verified every round it is slower than ar
