@@ -51,12 +51,12 @@ fastapi_app = create_app(SETTINGS)
 class D3DService:
     """One replica: the service's FastAPI app and its engine worker (see the module docstring)."""
 
-    def __init__(self):
-        self.fastapi = fastapi_app
-        fastapi_app.state.worker.start()  # a no-op when the ASGI lifespan already started it
-
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        transport = httpx.ASGITransport(app=self.fastapi)
+        # ``self.app`` is the app this replica serves (Serve's own copy of ``fastapi_app``): the
+        # handle path and HTTP share its one engine worker. Starting it is a no-op once the ASGI
+        # lifespan has.
+        self.app.state.worker.start()
+        transport = httpx.ASGITransport(app=self.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://d3d") as client:
             r = await client.request(method, path, json=body, timeout=None)
         return {"status": r.status_code, "body": r.json()}
@@ -78,8 +78,9 @@ class D3DService:
         return await self._call("POST", "/v1/chat/completions", body)
 
     def check_health(self) -> None:
-        if fastapi_app.state.worker.state == "failed":
-            raise RuntimeError(fastapi_app.state.worker.error)
+        worker = self.app.state.worker
+        if worker.state == "failed":
+            raise RuntimeError(worker.error)
 
 
 app = D3DService.bind()
