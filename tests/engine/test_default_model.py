@@ -41,6 +41,23 @@ def test_sync_equals_ar_on_real_prompts(target, drafter_spec):
         assert sync.stats.num_drafts > 0
 
 
+def test_async_and_auto_equal_ar_with_the_drafter_in_its_own_process():
+    """The shipped drafter in a worker process (pinned to its own core where there are two)."""
+    from d3d.config import ModelConfig
+
+    engine = Engine.from_config(ModelConfig(), start_worker=True)
+    try:
+        for prompt in PROMPTS:
+            ids = engine.encode(prompt)
+            ar = engine.generate_ids(ids, DecodeConfig(mode="ar", max_new_tokens=48))
+            for mode in ("async", "auto"):
+                gen = engine.generate_ids(ids, DecodeConfig(mode=mode, max_new_tokens=48))
+                assert gen.token_ids == ar.token_ids, (mode, prompt)
+                assert gen.stats.worker_failures == 0
+    finally:
+        engine.close()
+
+
 def test_oracle_drafter_accepts_full_blocks_on_the_real_model(target):
     engine = Engine(target, None)
     ids = engine.encode(PROMPTS[0])
@@ -62,10 +79,18 @@ def test_cli_sync_and_ar_print_identical_token_ids(capsys):
 
     prompt = "Write a Python function that reverses a string."
     outs = {}
-    for mode in ("sync", "ar"):
+    for mode in ("sync", "ar", "async", "auto"):
         assert main(["generate", prompt, "--mode", mode, "--json", "--max-new-tokens", "64"]) == 0
         outs[mode] = json.loads(capsys.readouterr().out)
-    assert outs["sync"]["token_ids"] == outs["ar"]["token_ids"]
+    for mode in ("sync", "async", "auto"):
+        assert outs[mode]["token_ids"] == outs["ar"]["token_ids"], mode
+    for key in ("hit_rate", "branch_hits", "branch_misses", "branches_per_round"):
+        assert key in outs["async"]
+    assert (
+        outs["async"]["branch_hits"] + outs["async"]["branch_misses"] == outs["async"]["num_drafts"]
+    )
+    auto = outs["auto"]
+    assert auto["spec_tokens"] + auto["ar_tokens"] + 1 == auto["num_tokens"]
     for key in (
         "text",
         "token_ids",
