@@ -23,6 +23,26 @@ if TYPE_CHECKING:
     from d3d.drafter import D3DDrafter
 
 
+def rewind(
+    cache: DynamicCache, cached_ids: list[int], want: list[int]
+) -> tuple[DynamicCache, list[int], list[int]]:
+    """Cut a cache of ``cached_ids`` back to its longest prefix shared with ``want``.
+
+    Returns the cache (a fresh one when nothing is shared), the ids it now holds, and the ids
+    of ``want`` it still lacks.
+    """
+    common = 0
+    for a, b in zip(cached_ids, want, strict=False):
+        if a != b:
+            break
+        common += 1
+    if common == 0 and cached_ids:
+        cache = DynamicCache()
+    else:
+        trim_cache(cache, len(cached_ids) - common)
+    return cache, want[:common], want[common:]
+
+
 @dataclass(frozen=True)
 class Draft:
     """One drafted block: ``tokens`` [K] ids, and ``q`` [K, V] probabilities when sampling."""
@@ -53,17 +73,8 @@ class DraftSession:
 
     def _rewind(self, want: list[int]) -> list[int]:
         """Cut the cache back to its longest prefix shared with ``want``; return the rest."""
-        common = 0
-        for a, b in zip(self.cached_ids, want, strict=False):
-            if a != b:
-                break
-            common += 1
-        if common == 0 and self.cached_ids:
-            self.cache = DynamicCache()
-        else:
-            trim_cache(self.cache, len(self.cached_ids) - common)
-        self.cached_ids = want[:common]
-        return want[common:]
+        self.cache, self.cached_ids, pending = rewind(self.cache, self.cached_ids, want)
+        return pending
 
     @torch.inference_mode()
     def draft(self, token_ids: Sequence[int]) -> Draft:

@@ -27,12 +27,12 @@ from transformers import DynamicCache
 
 from d3d.config import SamplingConfig
 from d3d.drafter import D3DDrafter
-from d3d.hf import trim_cache
 from d3d.pipeline.branches import choose_branches
 from d3d.pipeline.budget import BranchBudget
 from d3d.pipeline.drafting import draft_branches, encode_chain
 from d3d.pipeline.protocol import Block, Close, Commit, Failed, Open
 from d3d.sampling import probabilities
+from d3d.session import rewind
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +132,10 @@ class DraftServer:
     def _rewind(self, sess: _Session) -> list[int]:
         """Cut the cache back to its longest prefix shared with the committed tokens except
         the last (the anchor); return the committed tokens it still lacks."""
-        want = sess.committed[:-1]
-        common = 0
-        for a, b in zip(sess.cached_ids, want, strict=False):
-            if a != b:
-                break
-            common += 1
-        if common == 0 and sess.cached_ids:
-            sess.cache = DynamicCache()
-        else:
-            trim_cache(sess.cache, len(sess.cached_ids) - common)
-        sess.cached_ids = want[:common]
-        return want[common:]
+        sess.cache, sess.cached_ids, pending = rewind(
+            sess.cache, sess.cached_ids, sess.committed[:-1]
+        )
+        return pending
 
     @torch.inference_mode()
     def _draft_now(self, sess: _Session) -> Prepared:
