@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from d3d.drafter import D3DDrafter
 
 
-def save_drafter(drafter: D3DDrafter, path: str | Path) -> Path:
-    """Write the checkpoint folder (borrowed tensors left out)."""
+def save_drafter(drafter: D3DDrafter, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the checkpoint folder (borrowed tensors left out; floating tensors stored in
+    ``dtype`` when given — loading casts them back to the target's dtype)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state, seen = {}, set()
@@ -50,7 +51,10 @@ def save_drafter(drafter: D3DDrafter, path: str | Path) -> Path:
         key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
         if key not in seen:
             seen.add(key)
-            state[k] = v.detach().contiguous().cpu()
+            t = v.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            state[k] = t.contiguous().cpu()
     save_file(state, str(out / WEIGHTS_FILE))
     meta = asdict(drafter.meta)
     meta["layers"] = list(drafter.meta.layers)

@@ -206,11 +206,12 @@ class D3DDrafter(nn.Module):
         self.to(device=dev, dtype=dtype)
         return self
 
-    def save(self, path: str | Path) -> Path:
-        """Write ``drafter.json`` and ``drafter.safetensors`` (see :mod:`d3d.checkpoint`)."""
+    def save(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write ``drafter.json`` and ``drafter.safetensors``, floating tensors in ``dtype`` if
+        given (see :mod:`d3d.checkpoint`)."""
         from d3d.checkpoint import save_drafter
 
-        return save_drafter(self, path)
+        return save_drafter(self, path, dtype)
 
     @classmethod
     def load(

@@ -25,7 +25,6 @@ Design:
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
@@ -122,9 +121,9 @@ def init_drafter(spec: str, target, device: str | torch.device | None = None) ->
 
 
 def save_compact(drafter: D3DDrafter, path: str | Path, dtype: torch.dtype) -> Path:
-    """Save a copy of ``drafter`` with its own tensors in ``dtype`` (e.g. float16 halves a
-    shipped checkpoint; loading casts back to the target's dtype)."""
-    return copy.deepcopy(drafter).to(dtype).save(path)
+    """Save ``drafter`` with its own tensors in ``dtype`` (e.g. float16 halves a shipped
+    checkpoint; loading casts back to the target's dtype)."""
+    return drafter.save(path, dtype)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
