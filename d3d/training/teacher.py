@@ -82,11 +82,11 @@ def write_text_records(
     dropped, replies cut at ``max_reply_tokens``.
     """
     from d3d.models import encode_prompt
-    from d3d.training.data import _jsonl, is_heldout
+    from d3d.training.data import is_heldout, read_jsonl
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in _jsonl(out)} if out.is_file() else set()
+    done = {r["id"] for r in read_jsonl(out)} if out.is_file() else set()
     written = 0
     with out.open("a", encoding="utf-8") as f:
         for pid, source, prompt, reply in tqdm(items, desc="text records"):

