@@ -201,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
-        ep.load()(sub)
+        try:
+            register = ep.load()
+        except Exception as exc:  # one broken package must not take every command down
+            print(f"d3d: warning: commands from {ep.value} unavailable: {exc}", file=sys.stderr)
+            continue
+        register(sub)
     return parser
 
 
