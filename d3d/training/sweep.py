@@ -90,7 +90,7 @@ def plot(rows: list[DepthRow], png: str | Path) -> Path:
     ax2.axhline(1.0, color="black", lw=0.5)
     ax2.set_ylabel("modelled speed-up vs ar")
     fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
-    ax.set_title("Depth sweep, same short training budget")
+    ax.set_title("Depth sweep: held-out acceptance and modelled speed-up")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
