@@ -24,11 +24,13 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
   no step time, and speculates with the whole block while it lacks round figures.
 - While off it *probes*: after ``probe_every`` plain tokens it runs ``probe_rounds`` speculative
   rounds at the best length; each probe that still loses doubles the interval (up to
-  ``max_probe_every``), a winning one switches speculation back on. Acceptance counts forget
+  ``max_probe_every``), a winning one switches speculation back on. The interval and the count
+  since the last probe are the host's, so probes are paced over all requests' tokens. Acceptance counts forget
   only at the positions a round tried, so what was measured beyond the length in use stays;
   every ``explore_every``-th speculative round tries the next longer length to keep measuring.
   The first round of every run of speculative rounds waits for a cold draft (the asynchronous
-  worker had no chain to branch from), so its wait never updates ``t_wait``.
+  worker had no chain to branch from), so its wait updates ``t_wait`` only while nothing else is
+  known (an overstatement, which errs towards plain steps).
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ class HostCosts:
     per_token_s: Ema = field(default_factory=lambda: Ema(0.1))
     wait_s: Ema = field(default_factory=lambda: Ema(0.1))
     accept: PositionStats = field(default_factory=lambda: PositionStats(decay=0.99))
+    # Probing is paced over the host's traffic, not per request: while speculation keeps
+    # losing, the interval keeps growing across requests instead of restarting at each one.
+    probe_interval: int = 0
+    since_probe: int = 0
+    wait_from_cold: bool = False  # t_wait so far comes from a cold first round only
 
 
 @dataclass
@@ -110,19 +117,18 @@ class SpeculationPolicy:
     max_len: int = 15
     margin: float = 0.03
     probe_every: int = 16
-    max_probe_every: int = 512
+    max_probe_every: int = 2048
     probe_rounds: int = 2
     explore_every: int = 16
     accept: PositionStats = field(default_factory=PositionStats)
     on: bool = True
     best: int = 15
     probe_left: int = 0
-    since_probe: int = 0
-    interval: int = 0
     spec_rounds: int = 0
 
     def __post_init__(self) -> None:
-        self.interval = self.probe_every
+        if self.host.probe_interval <= 0:
+            self.host.probe_interval = self.probe_every
         self.best = self.max_len
         if self._known():
             self._decide()
@@ -171,25 +177,27 @@ class SpeculationPolicy:
         if drafted == 0:
             h.step_s.add(verify_s / max(tokens, 1))
             if not self.on:
-                self.since_probe += tokens
-                if self.since_probe >= self.interval:
-                    self.probe_left, self.since_probe = self.probe_rounds, 0
+                h.since_probe += tokens
+                if h.since_probe >= h.probe_interval:
+                    self.probe_left, h.since_probe = self.probe_rounds, 0
             return
         self.spec_rounds += 1
         self.accept.update(drafted, num_accepted)
         h.accept.update(drafted, num_accepted)
         if h.step_s.value is not None:
             h.per_token_s.add(max(verify_s - h.step_s.value, 0.0) / drafted)
-        if not first_of_run:
+        if h.wait_s.value is None or (h.wait_from_cold and not first_of_run):
+            # A cold first round overstates the wait: it stands in only until a warm round
+            # replaces it, which errs on the side of plain steps meanwhile.
+            h.wait_s.value, h.wait_from_cold = wait_s, first_of_run
+        elif not first_of_run:
             h.wait_s.add(wait_s)
-        elif h.wait_s.value is None:
-            return  # nothing to judge with yet
         if self.probe_left > 0:
             self.probe_left -= 1
             if self.probe_left == 0 and self._known():  # the probe is over: judge it
                 self._decide()
-                self.interval = (
-                    self.probe_every if self.on else min(2 * self.interval, self.max_probe_every)
+                h.probe_interval = (
+                    self.probe_every if self.on else min(2 * h.probe_interval, self.max_probe_every)
                 )
             return
         if self._known():

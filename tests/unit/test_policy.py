@@ -91,13 +91,15 @@ def test_a_probe_switches_speculation_back_on_when_acceptance_rises():
     simulate(policy, 128, lambda i: 0.2, wait=0.010)
     assert not policy.on
     _, plain, _, _ = simulate(policy, 1024, lambda i: 0.9, wait=0.010)
-    assert policy.on and plain < 512, "back on within the longest probe interval"
+    assert policy.on and plain < 512, "back on within a few probe intervals"
 
 
 def test_the_cold_first_round_of_a_run_does_not_count_against_speculation():
-    # the first round after plain steps waits a whole second for a cold draft
-    _, plain, _, _ = simulate(SpeculationPolicy(HostCosts()), 512, lambda i: 0.9, cold_extra=1.0)
-    assert plain == 1
+    # the first round after plain steps waits a whole second for a cold draft: it stands in for
+    # the wait only until the first warm round replaces it
+    policy = SpeculationPolicy(HostCosts())
+    _, plain, _, _ = simulate(policy, 512, lambda i: 0.9, cold_extra=1.0)
+    assert plain <= 20 and policy.on and not policy.host.wait_from_cold
 
 
 def test_break_even_speculation_stays_off():
@@ -105,3 +107,14 @@ def test_break_even_speculation_stays_off():
     policy = SpeculationPolicy(HostCosts())
     simulate(policy, 256, lambda i: 0.0)
     assert not policy.on
+
+
+def test_many_short_requests_with_an_expensive_drafter_stay_near_ar():
+    # a drafter whose block costs 5 steps (deeper than the verify), accepted 70%:
+    # it never pays here; probing is paced over the host's traffic, not per request
+    host = HostCosts()
+    total = 0.0
+    for i in range(16):
+        _, _, seconds, _ = simulate(SpeculationPolicy(host), 128, lambda i: 0.7, wait=0.2, seed=i)
+        total += seconds
+    assert total <= 1.03 * 16 * 128 * STEP
