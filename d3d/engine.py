@@ -163,6 +163,8 @@ class Engine:
         self._worker: WorkerClient | None = None
         self._worker_lock = threading.Lock()
         self._pinned_from: tuple[set[int], int] | None = None
+        self._spec_cores: tuple[int, ...] = ()  # the target's cores while a drafter process runs
+        self.manage_cpu = True  # False: the caller sets this process's CPU budget itself
         if drafter is not None and drafter.meta.vocab_size not in (0, target.vocab_size):
             raise DrafterError(
                 f"drafter vocabulary ({drafter.meta.vocab_size}) does not match the target's ({target.vocab_size})"
@@ -190,6 +192,7 @@ class Engine:
         engine = cls(target, drafter, cfg)
         if early is not None:
             engine._worker, engine._pinned_from = early
+            engine._spec_cores = tuple(place.target_cores)
         elif with_drafter and start_worker:
             engine.worker(wait=False)
         return engine
@@ -222,6 +225,7 @@ class Engine:
         place = placement_for(cfg)
         if place.kind == "process" and self.model_cfg is not None:
             worker, self._pinned_from = _launch_process(cfg, place)  # type: ignore[misc]
+            self._spec_cores = tuple(place.target_cores)
             return worker
         return ThreadWorker(self.drafter) if self.drafter is not None else None
 
@@ -234,6 +238,18 @@ class Engine:
             pin_process(sorted(cores), threads)
             self._pinned_from = None
 
+    def cpu_budget(self, speculating: bool) -> None:
+        """Where a drafter process holds cores of its own, speculative rounds keep the target to
+        the others, and plain steps (``ar``, or ``auto`` with speculation off) give it every
+        core back: a drafter that is not drafting must not cost the target a core."""
+        if self._pinned_from is None or not self.manage_cpu:
+            return
+        if speculating and self._spec_cores:
+            pin_process(list(self._spec_cores), len(self._spec_cores))
+        else:
+            cores, threads = self._pinned_from
+            pin_process(sorted(cores), threads)
+
     def close(self) -> None:
         """Stop the drafter worker (and give the target its cores back)."""
         with self._worker_lock:
@@ -241,6 +257,8 @@ class Engine:
 
     # ----- decoding ---------------------------------------------------------------------
     def proposer(self, mode: str) -> Proposer:
+        if mode in ("ar", "sync"):  # both run in this process: every core
+            self.cpu_budget(False)
         if mode == "ar":
             return ArProposer()
         if self.drafter is None:
@@ -254,8 +272,11 @@ class Engine:
             else SyncProposer(self.drafter)
         )
         if mode == "async":
+            self.cpu_budget(True)
             return spec
-        return AutoProposer(spec, self.host, max_len=self.drafter.block_size - 1)
+        return AutoProposer(
+            spec, self.host, max_len=self.drafter.block_size - 1, on_switch=self.cpu_budget
+        )
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat_template)

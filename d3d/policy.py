@@ -35,7 +35,7 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -210,10 +210,17 @@ class AutoProposer:
 
     name = "auto"
 
-    def __init__(self, spec: Proposer, host: HostCosts, max_len: int = 15):
+    def __init__(
+        self,
+        spec: Proposer,
+        host: HostCosts,
+        max_len: int = 15,
+        on_switch: Callable[[bool], None] | None = None,
+    ):
         self.spec = spec
         self.host = host
         self.max_len = max_len
+        self.on_switch = on_switch  # told when rounds turn speculative or plain (CPU budget)
 
     def start(
         self,
@@ -227,6 +234,7 @@ class AutoProposer:
         self.current: Proposal | None = None
         self.next_len = self.policy.next_len()
         self.prev_spec = False
+        self._switch(self.next_len > 0)
 
     def propose(self, tokens: list[int]) -> Proposal:
         self.current = self.spec.propose(tokens) if self.next_len else NO_DRAFT
@@ -245,8 +253,15 @@ class AutoProposer:
                 spec and not self.prev_spec,
             )
             self.prev_spec = spec
+        was = self.next_len > 0
         self.next_len = self.policy.next_len() if next_len != 0 else 0
+        if (self.next_len > 0) != was:
+            self._switch(self.next_len > 0)
         self.spec.observe(acc, verify_s, next_len=self.next_len)
+
+    def _switch(self, speculating: bool) -> None:
+        if self.on_switch is not None:
+            self.on_switch(speculating)
 
     def close(self) -> None:
         self.spec.close()

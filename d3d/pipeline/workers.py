@@ -169,6 +169,9 @@ def _process_main(conn, factory, cores, threads, cfg) -> None:
     """Entry point of the drafter process: pin, build the drafter, serve until Stop."""
     try:
         pin_process(cores, threads)
+        # The drafter only ever takes what the target leaves: while speculation is off the target
+        # may use every core, and a catch-up encode here must not slow its steps.
+        os.nice(10)
         drafter = factory()
         server = DraftServer(drafter, cfg)
         info = {

@@ -143,9 +143,12 @@ def test_drafter_in_its_own_process(tmp_path):
         assert worker.info["cores"] == [cores[-1]]
         prompt = PROMPTS[2]
         ref = engine.generate_ids(prompt, DecodeConfig(mode="ar", max_new_tokens=24)).token_ids
+        assert set(available_cores()) == set(cores), "plain steps get every core back"
         for mode in ("async", "auto"):
             gen = engine.generate_ids(prompt, DecodeConfig(mode=mode, max_new_tokens=24))
             assert gen.token_ids == ref, mode
+        engine.generate_ids(prompt, DecodeConfig(mode="async", max_new_tokens=4))
+        assert cores[-1] not in available_cores(), "speculative rounds leave the drafter its core"
         # the process dies: this request finishes on the target alone, the next one restarts it
         worker.process.kill()
         worker.process.join(5)
