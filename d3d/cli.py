@@ -169,11 +169,15 @@ def _compare(engine, prompt: str, dcfg: DecodeConfig, as_json: bool) -> int:
         )
         return 0
     print(spec.text)
-    print("\n| mode | tokens | decode s | tok/s | acceptance length |\n|---|---:|---:|---:|---:|")
+    print(
+        "\n| mode | tokens | decode s | tok/s | acceptance length | tokens speculative / plain |"
+        "\n|---|---:|---:|---:|---:|---:|"
+    )
     for g in (ar, spec):
         s = g.stats
         print(
-            f"| {s.mode} | {s.num_tokens} | {s.decode_seconds:.2f} | {s.tokens_per_second:.1f} | {s.acceptance_length:.2f} |"
+            f"| {s.mode} | {s.num_tokens} | {s.decode_seconds:.2f} | {s.tokens_per_second:.1f} "
+            f"| {s.acceptance_length:.2f} | {s.spec_tokens} / {s.ar_tokens} |"
         )
     print(f"\nspeed-up {speedup:.2f}x; output identical to the target alone: {identical}")
     return 0

@@ -139,10 +139,12 @@ class Proposer(Protocol):
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         draft_prompt_ids: Sequence[int] | None = None,
+        first_len: int | None = None,
     ) -> None:
         """Begin a request. ``draft_prompt_ids``: what the drafter should read as the prompt
         when it differs from the target's (a compressed prompt for the target, the whole
-        document for the drafter)."""
+        document for the drafter). ``first_len``: how many drafts the first round after the
+        prefill will verify, as ``observe``'s ``next_len`` (0 lets a worker stay idle)."""
         ...
 
     def propose(self, tokens: list[int]) -> Proposal: ...
@@ -193,7 +195,7 @@ class ArProposer:
 
     name = "ar"
 
-    def start(self, prompt_ids, sampling, generator, draft_prompt_ids=None) -> None:
+    def start(self, prompt_ids, sampling, generator, draft_prompt_ids=None, first_len=None) -> None:
         pass
 
     def propose(self, tokens: list[int]) -> Proposal:
@@ -228,7 +230,7 @@ class SyncProposer:
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
 
-    def start(self, prompt_ids, sampling, generator, draft_prompt_ids=None) -> None:
+    def start(self, prompt_ids, sampling, generator, draft_prompt_ids=None, first_len=None) -> None:
         self.session = self.drafter.session(sampling, generator)
         self.prompt_len = len(prompt_ids)
         self.draft_prompt = list(draft_prompt_ids) if draft_prompt_ids is not None else None

@@ -230,9 +230,9 @@ class AutoProposer:
         draft_prompt_ids: Sequence[int] | None = None,
     ) -> None:
         self.policy = SpeculationPolicy(self.host, max_len=self.max_len)
-        self.spec.start(prompt_ids, sampling, generator, draft_prompt_ids)
-        self.current: Proposal | None = None
         self.next_len = self.policy.next_len()
+        self.spec.start(prompt_ids, sampling, generator, draft_prompt_ids, first_len=self.next_len)
+        self.current: Proposal | None = None
         self.prev_spec = False
         self._switch(self.next_len > 0)
 
@@ -254,7 +254,9 @@ class AutoProposer:
             )
             self.prev_spec = spec
         was = self.next_len > 0
-        self.next_len = self.policy.next_len() if next_len != 0 else 0
+        # A worker that failed serves this request no more: plain steps to the end.
+        off = next_len == 0 or getattr(self.spec, "failed", False)
+        self.next_len = 0 if off else self.policy.next_len()
         if (self.next_len > 0) != was:
             self._switch(self.next_len > 0)
         self.spec.observe(acc, verify_s, next_len=self.next_len)

@@ -9,7 +9,7 @@ time to first token and latency (p50 / p99), and the throughput ratio to C = 1 m
 same run. Writes ``OUT/load.json``, ``OUT/load.md`` and ``OUT/serve_load.png``.
 
 Usage: python -m eval.serve_load --out eval/results/serve [--levels 1,4,16,64] [--max-tokens 64]
-(timings: run it through /work/quiet.sh on a shared machine).
+(it times: run it with nothing else busy on the machine).
 """
 
 from __future__ import annotations

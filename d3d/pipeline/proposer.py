@@ -50,7 +50,8 @@ class AsyncProposer:
 
     ``min_timeout``: the shortest wait for a block before the worker counts as hung; the wait
     also scales with the last round's target time (``timeout_factor`` x), which covers the
-    drafter's own prefill of a long prompt.
+    drafter's own prefill of a long prompt, and grows with the tokens the worker has not read
+    yet (plain steps leave them unread), at three times the target's prefill cost per token.
     """
 
     name = "async"
@@ -76,6 +77,7 @@ class AsyncProposer:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
         draft_prompt_ids: Sequence[int] | None = None,
+        first_len: int | None = None,
     ) -> None:
         self.sampling = sampling
         self.failed = False
@@ -83,19 +85,25 @@ class AsyncProposer:
         self.expect: int | None = None
         self.next_len: int | None = None
         self.last_target_s = 0.0
+        self.per_token_s: float | None = None  # the target's prefill cost per prompt token
         self.device = generator.device if generator is not None else torch.device("cpu")
         prompt = list(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
-        self.committed = len(prompt)
+        self.committed = self.prompt_len = len(prompt)
+        self.unread = len(prompt) if first_len == 0 else 0  # tokens the worker will catch up on
         if not self.link.alive:
             self._fail("the drafter worker is not running")
             return
         self.sid = self.link.new_session()
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(62)
-        self._send(Open(self.sid, prompt, sampling, seed))
+        self._send(Open(self.sid, prompt, sampling, seed, prepare=first_len != 0))
 
     def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
         self.committed += len(acc.tokens)
         self.last_target_s = verify_s
+        if self.per_token_s is None:  # the first round is the prefill
+            self.per_token_s = verify_s / max(self.prompt_len, 1)
+        if next_len == 0:  # the worker will not read these until a block is wanted
+            self.unread += len(acc.tokens)
         if self.failed:
             return
         self.expect = self.committed if next_len != 0 else None
@@ -107,6 +115,8 @@ class AsyncProposer:
             return NO_DRAFT
         t0 = self.clock()
         timeout = max(self.min_timeout, self.timeout_factor * self.last_target_s)
+        timeout += 3.0 * self.unread * (self.per_token_s or 0.0)
+        self.unread = 0
         while True:
             left = timeout - (self.clock() - t0)
             msg = self.link.recv(self.sid, left) if left > 0 else None

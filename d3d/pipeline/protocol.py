@@ -22,10 +22,15 @@ from d3d.config import SamplingConfig
 
 @dataclass(frozen=True)
 class Open:
+    """A request's drafter prompt. ``prepare``: read it and prepare the first round's branches
+    now (False: the first rounds are plain steps, so the worker reads nothing until a block is
+    first wanted and leaves the cores to the target)."""
+
     sid: int
     prompt_ids: list[int]
     sampling: SamplingConfig
     seed: int
+    prepare: bool = True
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,8 @@ class DraftServer:
             if isinstance(msg, Open):
                 sess = _Session(msg.sampling, msg.seed, list(msg.prompt_ids))
                 self.sessions[msg.sid] = sess
-                self._prepare(sess, None, None)
+                if msg.prepare:
+                    self._prepare(sess, None, None)
             elif isinstance(msg, Commit):
                 sess = self.sessions.get(msg.sid)
                 if sess is not None:
@@ -109,8 +110,10 @@ class DraftServer:
         offered = len(sess.branches)
         prepared = sess.branches.get((before, len(msg.tokens) - 1, msg.tokens[-1]))
         sess.branches = {}
-        if not msg.wants_block:  # a plain target step follows: just keep the cache up to date
-            self._catch_up(sess)
+        if not msg.wants_block:
+            # A plain target step follows. The cache catches up only when a block is next
+            # wanted (one forward over everything pending, inside that round's draft): a
+            # drafter that reads along at every plain step would take a core from the target.
             return
         t0 = self.clock()
         hit = prepared is not None  # no branch prepared (budget 0) is a miss too
@@ -143,13 +146,6 @@ class DraftServer:
         scores = self.drafter.block_scores(sess.committed[-1], sess.cache, pending)
         sess.cached_ids = sess.committed[:-1]
         return self._finish(sess, scores, len(sess.committed))
-
-    @torch.inference_mode()
-    def _catch_up(self, sess: _Session) -> None:
-        pending = self._rewind(sess)
-        if pending:
-            self.drafter.encode(pending, sess.cache)
-            sess.cached_ids = sess.committed[:-1]
 
     # ----- drafting ---------------------------------------------------------------------
     def _finish(self, sess: _Session, scores: torch.Tensor, pos: int) -> Prepared:

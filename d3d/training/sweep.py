@@ -11,8 +11,8 @@ context: ``sync`` = AL x t_step / (t_verify + t_block) (drafting in series), ``a
 t_step / max(t_verify, t_block) (drafting fully hidden beside verification, on its own core, and
 every branch guess a hit — an upper bound for the asynchronous pipeline).
 
-Two steps: ``python -m d3d.training.sweep time --runs runs/sweep --depths 8 12 18 30`` (under
-``/work/quiet.sh``: it times forwards; an untrained drafter of a depth costs what a trained one
+Two steps: ``python -m d3d.training.sweep time --runs runs/sweep --depths 8 12 18 30`` (with
+nothing else busy on the machine: it times forwards; an untrained drafter of a depth costs what a trained one
 does) writes ``timings.json``; ``python -m d3d.training.sweep report --runs runs/sweep --depths
 8 12 18 30 --out docs/depth_sweep`` joins it with the acceptance files.
 """

@@ -11,7 +11,7 @@ Each is repeated ``--repeats`` times (questions rotate); medians are reported wi
 share of ``total_s`` and the ratios. ``--draft-prefix`` adds the acceptance comparison of item 3:
 ``sync`` decoding of the kept prompt with the drafter reading the kept prompt, against the
 drafter reading the full document (``draft_prompt_ids``), on the same items; both answers must
-be equal (lossless). Run through ``/work/quiet.sh``:
+be equal (lossless). It times: run it with nothing else busy on the machine:
 
     python -m eval.longbench.qa_bench --sizes 4,8 --repeats 3 --threads 1 --out eval/results
 """

@@ -85,13 +85,23 @@ def test_server_hit_serves_the_prepared_branch_and_miss_drafts_now():
     assert not server.sessions
 
 
-def test_server_without_want_only_catches_up():
+def test_plain_steps_leave_the_drafter_idle_until_a_block_is_wanted():
+    """A lazy Open and commits for plain steps run no forward; the first wanted block reads
+    everything pending in its own forward and equals drafting from a cache kept up to date."""
     target = tiny_model("llama", seed=1)
     drafter = D3DDrafter.from_target(target, 1, block_size=4)
     server = DraftServer(drafter)
-    _run(server, [Open(1, [5, 6, 7], SamplingConfig(), 0)])
+    calls = []
+    drafter.encode = lambda *a, **k: calls.append(a)  # would be the per-step catch-up
+    _run(server, [Open(1, [5, 6, 7], SamplingConfig(), 0, prepare=False)])
     assert _run(server, [Commit(1, [9], 0.01, 0), Commit(1, [10], 0.01, 0)]) == []
-    assert server.sessions[1].cached_ids == [5, 6, 7, 9]
+    assert calls == [] and server.sessions[1].cached_ids == [] and not server.sessions[1].branches
+    del drafter.encode
+    [blk] = _run(server, [Commit(1, [11], 0.01)])
+    assert blk.hit is False and blk.pos == 6
+    with torch.inference_mode():
+        ref = drafter.block_scores(11, _cache_with(drafter, [5, 6, 7, 9, 10]))
+    assert blk.tokens == ref.argmax(-1).tolist()
 
 
 def test_sampled_blocks_carry_their_sparse_q():

@@ -105,6 +105,16 @@ def test_cli_sync_and_ar_print_identical_token_ids(capsys):
     assert "reverse" in outs["ar"]["text"]
 
 
+def test_cli_compare_is_what_make_demo_prints(capsys):
+    from d3d.cli import main
+
+    prompt = "Write a Python function that reverses a string."
+    assert main(["generate", prompt, "--compare", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "| ar | 24 |" in out and "| auto | 24 |" in out
+    assert "output identical to the target alone: True" in out
+
+
 def test_cli_bad_input_is_a_one_line_error(capsys):
     from d3d.cli import main
 

@@ -118,3 +118,49 @@ def test_many_short_requests_with_an_expensive_drafter_stay_near_ar():
         _, _, seconds, _ = simulate(SpeculationPolicy(host), 128, lambda i: 0.7, wait=0.2, seed=i)
         total += seconds
     assert total <= 1.03 * 16 * 128 * STEP
+
+
+def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed():
+    """A drafter that pays, then its worker fails: plain steps to the end of the request, and
+    the CPU budget is told each switch (speculating, then plain)."""
+    import torch
+
+    from d3d.decode import NO_DRAFT, Proposal
+    from d3d.policy import AutoProposer
+    from d3d.verify import Acceptance
+
+    class Spec:
+        failed = False
+
+        def start(self, *args, first_len=None):
+            self.first_len = first_len
+
+        def propose(self, tokens):
+            return NO_DRAFT if self.failed else Proposal(torch.arange(15))
+
+        def observe(self, acc, verify_s, next_len=None):
+            self.next_len = next_len
+
+        def close(self):
+            pass
+
+    host = HostCosts()
+    for _ in range(8):  # a host that has seen this drafter pay
+        host.step_s.add(STEP)
+        host.per_token_s.add(PER_TOKEN)
+        host.wait_s.add(0.0)
+        host.accept.update(drafted=15, num_accepted=15)
+    switches, spec = [], Spec()
+    auto = AutoProposer(spec, host, on_switch=switches.append)
+    auto.start([1, 2, 3], None, None)
+    assert spec.first_len > 0 and switches == [True]
+    auto.observe(Acceptance(0, [7]), 0.1)  # the prefill
+    assert auto.propose([]).k > 0
+    auto.observe(Acceptance(15, list(range(16))), STEP + 15 * PER_TOKEN)
+    spec.failed = True
+    auto.propose([])
+    auto.observe(Acceptance(0, [9]), STEP)
+    assert auto.next_len == 0 and spec.next_len == 0 and switches == [True, False]
+    for _ in range(200):  # no probe ever again in this request
+        assert auto.propose([]).k == 0
+        auto.observe(Acceptance(0, [9]), STEP)
