@@ -23,8 +23,10 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
 - Each figure is measured before it is trusted: a request takes one plain step when the host has
   no step time, and speculates with the whole block while it lacks round figures.
 - While off it *probes*: after ``probe_every`` plain tokens it runs ``probe_rounds`` speculative
-  rounds at the best length; each probe that still loses doubles the interval (up to
-  ``max_probe_every``), a winning one switches speculation back on. The interval and the count
+  rounds at the best length; a winning probe switches speculation back on, and each probe that
+  still loses at least doubles the interval, and stretches it until what the probe cost beyond
+  plain steps (a cold drafter catching up on the text, blocks, verifies) is ``probe_share`` of
+  the plain decoding between probes, up to ``max_probe_every``. The interval and the count
   since the last probe are the host's, so probes are paced over all requests' tokens. Acceptance counts forget
   only at the positions a round tried, so what was measured beyond the length in use stays;
   every ``explore_every``-th speculative round tries the next longer length to keep measuring.
@@ -119,11 +121,14 @@ class SpeculationPolicy:
     probe_every: int = 16
     max_probe_every: int = 2048
     probe_rounds: int = 2
+    probe_share: float = 0.01
     explore_every: int = 16
     accept: PositionStats = field(default_factory=PositionStats)
     on: bool = True
     best: int = 15
     probe_left: int = 0
+    probe_spent: float = 0.0  # seconds and tokens of the probe under way
+    probe_tokens: int = 0
     spec_rounds: int = 0
 
     def __post_init__(self) -> None:
@@ -180,8 +185,10 @@ class SpeculationPolicy:
                 h.since_probe += tokens
                 if h.since_probe >= h.probe_interval:
                     self.probe_left, h.since_probe = self.probe_rounds, 0
+                    self.probe_spent, self.probe_tokens = 0.0, 0
             return
         self.spec_rounds += 1
+        measuring = not self._known()  # the host's first rounds: a probe of their own
         self.accept.update(drafted, num_accepted)
         h.accept.update(drafted, num_accepted)
         if h.step_s.value is not None:
@@ -194,14 +201,26 @@ class SpeculationPolicy:
             h.wait_s.add(wait_s)
         if self.probe_left > 0:
             self.probe_left -= 1
+            self.probe_spent += verify_s + wait_s
+            self.probe_tokens += tokens
             if self.probe_left == 0 and self._known():  # the probe is over: judge it
                 self._decide()
-                h.probe_interval = (
-                    self.probe_every if self.on else min(2 * h.probe_interval, self.max_probe_every)
-                )
+                h.probe_interval = self.probe_every if self.on else self._next_interval()
             return
+        if measuring:
+            self.probe_spent += verify_s + wait_s
+            self.probe_tokens += tokens
         if self._known():
             self._decide()
+            if measuring and not self.on and not h.wait_from_cold:
+                h.probe_interval, h.since_probe = self._next_interval(), 0
+
+    def _next_interval(self) -> int:
+        """Plain tokens until the next probe after a losing one (see the module docstring)."""
+        step = self.host.step_s.value
+        excess = self.probe_spent - self.probe_tokens * step
+        pays_off = int(excess / (self.probe_share * step)) if excess > 0 else 0
+        return min(max(2 * self.host.probe_interval, pays_off), self.max_probe_every)
 
 
 class AutoProposer:

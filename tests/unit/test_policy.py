@@ -164,3 +164,17 @@ def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed(
     for _ in range(200):  # no probe ever again in this request
         assert auto.propose([]).k == 0
         auto.observe(Acceptance(0, [9]), STEP)
+
+
+def test_expensive_probes_are_spaced_by_what_they_cost():
+    """Every probe's first round waits a second for a cold drafter to read the text (an idle
+    drafter does not read along): after the first losing probe the next waits until that
+    cost is a small share of the plain decoding between probes."""
+    host = HostCosts()
+    total = 0.0
+    for i in range(32):
+        policy = SpeculationPolicy(host)
+        _, _, seconds, _ = simulate(policy, 128, lambda i: 0.3, wait=0.2, cold_extra=1.0, seed=i)
+        total += seconds
+    assert total <= 1.03 * 32 * 128 * STEP
+    assert host.probe_interval == policy.max_probe_every
