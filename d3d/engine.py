@@ -123,11 +123,22 @@ def placement_for(cfg: ModelConfig) -> Placement:
     return resolve_placement(cfg.target_device, cfg.drafter_device, available_cores())
 
 
+@dataclass(frozen=True)
+class _CpuBudget:
+    """This process's CPU budget beside a drafter process: ``full`` is what it had before
+    (plain steps and ``close`` go back to it), ``own`` its share while the drafter drafts;
+    each is (cores, torch threads)."""
+
+    full: tuple[set[int], int]
+    own: tuple[set[int], int]
+
+
 def _launch_process(
     cfg: ModelConfig, place: Placement
-) -> tuple[WorkerClient, tuple[set[int], int] | None] | None:
+) -> tuple[WorkerClient, _CpuBudget | None] | None:
     """Start a drafter process where ``place`` says and pin this process to the other cores.
-    Returns the worker and what to restore at close (None when ``place`` is a thread)."""
+    Returns the worker and the CPU budget it leaves this process (None when ``place`` is a
+    thread)."""
     if place.kind != "process":
         return None
     log.info(
@@ -136,14 +147,17 @@ def _launch_process(
         list(place.target_cores),
     )
     worker = ProcessWorker(DrafterFactory(cfg), list(place.drafter_cores))
-    restore = None
+    budget = None
     if place.target_cores:
         import os
 
-        restore = (os.sched_getaffinity(0), torch.get_num_threads())
         threads = len(place.target_cores)
-        pin_process(list(place.target_cores), min(threads, cfg.threads or threads))
-    return worker, restore
+        budget = _CpuBudget(
+            full=(os.sched_getaffinity(0), torch.get_num_threads()),
+            own=(set(place.target_cores), min(threads, cfg.threads or threads)),
+        )
+        pin_process(sorted(budget.own[0]), budget.own[1])
+    return worker, budget
 
 
 class Engine:
@@ -162,8 +176,7 @@ class Engine:
         self.worker_restarts = 0
         self._worker: WorkerClient | None = None
         self._worker_lock = threading.Lock()
-        self._pinned_from: tuple[set[int], int] | None = None
-        self._spec_cores: tuple[int, ...] = ()  # the target's cores while a drafter process runs
+        self._cpu: _CpuBudget | None = None  # set while a drafter process holds cores
         self.manage_cpu = True  # False: the caller sets this process's CPU budget itself
         if drafter is not None and drafter.meta.vocab_size not in (0, target.vocab_size):
             raise DrafterError(
@@ -191,8 +204,7 @@ class Engine:
         )
         engine = cls(target, drafter, cfg)
         if early is not None:
-            engine._worker, engine._pinned_from = early
-            engine._spec_cores = tuple(place.target_cores)
+            engine._worker, engine._cpu = early
         elif with_drafter and start_worker:
             engine.worker(wait=False)
         return engine
@@ -224,8 +236,7 @@ class Engine:
         cfg = self.model_cfg or ModelConfig(target_device=str(self.target.device))
         place = placement_for(cfg)
         if place.kind == "process" and self.model_cfg is not None:
-            worker, self._pinned_from = _launch_process(cfg, place)  # type: ignore[misc]
-            self._spec_cores = tuple(place.target_cores)
+            worker, self._cpu = _launch_process(cfg, place)  # type: ignore[misc]
             return worker
         return ThreadWorker(self.drafter) if self.drafter is not None else None
 
@@ -233,22 +244,19 @@ class Engine:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._pinned_from is not None:
-            cores, threads = self._pinned_from
+        if self._cpu is not None:
+            cores, threads = self._cpu.full
             pin_process(sorted(cores), threads)
-            self._pinned_from = None
+            self._cpu = None
 
     def cpu_budget(self, speculating: bool) -> None:
         """Where a drafter process holds cores of its own, speculative rounds keep the target to
         the others, and plain steps (``ar``, or ``auto`` with speculation off) give it every
         core back: a drafter that is not drafting must not cost the target a core."""
-        if self._pinned_from is None or not self.manage_cpu:
+        if self._cpu is None or not self.manage_cpu:
             return
-        if speculating and self._spec_cores:
-            pin_process(list(self._spec_cores), len(self._spec_cores))
-        else:
-            cores, threads = self._pinned_from
-            pin_process(sorted(cores), threads)
+        cores, threads = self._cpu.own if speculating else self._cpu.full
+        pin_process(sorted(cores), threads)
 
     def close(self) -> None:
         """Stop the drafter worker (and give the target its cores back)."""

@@ -199,17 +199,15 @@ class SpeculationPolicy:
             h.wait_s.value, h.wait_from_cold = wait_s, first_of_run
         elif not first_of_run:
             h.wait_s.add(wait_s)
-        if self.probe_left > 0:
-            self.probe_left -= 1
+        if measuring or self.probe_left > 0:  # what the next probe interval answers for
             self.probe_spent += verify_s + wait_s
             self.probe_tokens += tokens
+        if self.probe_left > 0:
+            self.probe_left -= 1
             if self.probe_left == 0 and self._known():  # the probe is over: judge it
                 self._decide()
                 h.probe_interval = self.probe_every if self.on else self._next_interval()
             return
-        if measuring:
-            self.probe_spent += verify_s + wait_s
-            self.probe_tokens += tokens
         if self._known():
             self._decide()
             if measuring and not self.on and not h.wait_from_cold:
