@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from d3d.config import DecodeConfig, ModelConfig
-from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, decode
+from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, TargetSession, decode
 from d3d.drafter import D3DDrafter, DrafterError
+from d3d.kv_store import PrefixCache
 from d3d.models import DEFAULT_SPECS, LoadedModel, ModelLoadError, encode_prompt, load_target
 from d3d.pipeline import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
 from d3d.placement import Placement, PlacementError, parse_cores, resolve_placement
@@ -173,6 +174,7 @@ class Engine:
         self.drafter = drafter
         self.model_cfg = model_cfg
         self.host = HostCosts()
+        self.prefix_cache = PrefixCache()  # the target's KV of prompt prefixes requests share
         self.worker_restarts = 0
         self._worker: WorkerClient | None = None
         self._worker_lock = threading.Lock()
@@ -264,7 +266,8 @@ class Engine:
             self._close_worker()
 
     # ----- decoding ---------------------------------------------------------------------
-    def proposer(self, mode: str) -> Proposer:
+    def proposer(self, mode: str, budget: int | None = None) -> Proposer:
+        """The proposer of ``mode`` for one request (``budget``: its max new tokens)."""
         if mode in ("ar", "sync"):  # both run in this process: every core
             self.cpu_budget(False)
         if mode == "ar":
@@ -283,8 +286,28 @@ class Engine:
             self.cpu_budget(True)
             return spec
         return AutoProposer(
-            spec, self.host, max_len=self.drafter.block_size - 1, on_switch=self.cpu_budget
+            spec,
+            self.host,
+            max_len=self.drafter.block_size - 1,
+            on_switch=self.cpu_budget,
+            budget=budget,
+            read_cost=self._read_cost(),
         )
+
+    def _read_cost(self) -> float:
+        """The drafter's cost of reading a token relative to the target's prefill (depths)."""
+        mine = len(getattr(self.drafter.meta, "layers", ()) or ())
+        theirs = getattr(self.target.model.config, "num_hidden_layers", 0)
+        return min(mine / theirs, 1.0) if mine and theirs else 1.0
+
+    def cache_prefix(self, ids: Sequence[int]) -> None:
+        """Encode a prompt prefix that requests will share into :attr:`prefix_cache` (unless it
+        is there), e.g. beside other work before the request that needs it."""
+        if self.prefix_cache.key(ids) in self.prefix_cache:
+            return
+        session = TargetSession(self.target.model)
+        session.encode(ids)
+        self.prefix_cache.store(ids, session.cache)
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat_template)
@@ -295,11 +318,14 @@ class Engine:
         cfg: DecodeConfig,
         stats: DecodeStats | None = None,
         draft_prompt_ids: Sequence[int] | None = None,
+        shared_prefix: int = 0,
     ) -> Iterator[list[int]]:
         """Token chunks as the rounds commit them; ``stats`` is complete when this ends.
 
         ``draft_prompt_ids``: what the drafter reads as the prompt, when it differs from the
         target's (e.g. the whole document, while the target reads the kept part).
+        ``shared_prefix``: how many first prompt tokens other requests share (their KV is kept
+        in :attr:`prefix_cache`).
         """
         window = getattr(self.target.model.config, "max_position_embeddings", None)
         if window and len(prompt_ids) + cfg.max_new_tokens + cfg.block_size > window:
@@ -310,12 +336,14 @@ class Engine:
         stats = stats if stats is not None else DecodeStats(mode=cfg.mode)
         return decode(
             self.target.model,
-            self.proposer(cfg.mode),
+            self.proposer(cfg.mode, cfg.max_new_tokens),
             prompt_ids,
             cfg,
             self.target.eos_token_ids,
             stats,
             draft_prompt_ids,
+            shared_prefix,
+            self.prefix_cache,
         )
 
     def generate_ids(
@@ -323,9 +351,11 @@ class Engine:
         prompt_ids: Sequence[int],
         cfg: DecodeConfig,
         draft_prompt_ids: Sequence[int] | None = None,
+        shared_prefix: int = 0,
     ) -> Generation:
         stats = DecodeStats(mode=cfg.mode)
-        ids = [t for chunk in self.stream(prompt_ids, cfg, stats, draft_prompt_ids) for t in chunk]
+        chunks = self.stream(prompt_ids, cfg, stats, draft_prompt_ids, shared_prefix)
+        ids = [t for chunk in chunks for t in chunk]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Generation(text=text, token_ids=ids, stats=stats)
 

@@ -33,6 +33,13 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
   The first round of every run of speculative rounds waits for a cold draft (the asynchronous
   worker had no chain to branch from), so its wait updates ``t_wait`` only while nothing else is
   known (an overstatement, which errs towards plain steps).
+- A drafter that sat out plain steps must first read what it missed (the whole prompt, on a
+  request's first speculative round). :class:`AutoProposer` prices that catch-up at the
+  target's measured prefill cost per token and starts no speculative run (a probe, or the
+  host's first measurement) whose catch-up alone exceeds ``max_saving`` (one half) of the plain
+  decoding the request's remaining token budget would take: even speculation that halved the
+  rest could not pay it back. A short answer after a long prompt (document QA) then never
+  speculates, and a deferred probe waits for a request with room for it.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ class HostCosts:
     probe_interval: int = 0
     since_probe: int = 0
     wait_from_cold: bool = False  # t_wait so far comes from a cold first round only
+    read_s: Ema = field(default_factory=lambda: Ema(0.2))  # target prefill s per prompt token
 
 
 @dataclass
@@ -233,11 +241,20 @@ class AutoProposer:
         host: HostCosts,
         max_len: int = 15,
         on_switch: Callable[[bool], None] | None = None,
+        budget: int | None = None,
+        read_cost: float = 1.0,
+        max_saving: float = 0.5,
     ):
+        """``budget``: the request's token budget (None: unbounded, no catch-up check);
+        ``read_cost``: the drafter's cost of reading a token relative to the target's prefill
+        (its depth over the target's); ``max_saving``: see the module docstring."""
         self.spec = spec
         self.host = host
         self.max_len = max_len
         self.on_switch = on_switch  # told when rounds turn speculative or plain (CPU budget)
+        self.budget = budget
+        self.read_cost = read_cost
+        self.max_saving = max_saving
 
     def start(
         self,
@@ -247,7 +264,14 @@ class AutoProposer:
         draft_prompt_ids: Sequence[int] | None = None,
     ) -> None:
         self.policy = SpeculationPolicy(self.host, max_len=self.max_len)
+        self.produced = 0
+        self.prompt_len = len(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
+        self.unread = self.prompt_len  # what the drafter has to read before its first block
         self.next_len = self.policy.next_len()
+        if self.next_len > 0 and not self._catch_up_pays():
+            self.next_len = 0
+        if self.next_len > 0:
+            self.unread = 0
         self.spec.start(prompt_ids, sampling, generator, draft_prompt_ids, first_len=self.next_len)
         self.current: Proposal | None = None
         self.prev_spec = False
@@ -259,6 +283,9 @@ class AutoProposer:
 
     def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
         cur = self.current
+        self.produced += len(acc.tokens)
+        if cur is None:  # round 0: the prefill
+            self.host.read_s.add(verify_s / max(self.prompt_len, 1))
         if cur is not None:  # round 0 (the prefill) has no proposal
             spec = cur.k > 0
             self.policy.record(
@@ -274,9 +301,24 @@ class AutoProposer:
         # A worker that failed serves this request no more: plain steps to the end.
         off = next_len == 0 or getattr(self.spec, "failed", False)
         self.next_len = 0 if off else self.policy.next_len()
+        if self.next_len > 0 and not was and not self._catch_up_pays():
+            self.next_len = 0
+        if self.next_len == 0:
+            self.unread += len(acc.tokens)
+        else:
+            self.unread = 0
         if (self.next_len > 0) != was:
             self._switch(self.next_len > 0)
         self.spec.observe(acc, verify_s, next_len=self.next_len)
+
+    def _catch_up_pays(self) -> bool:
+        """Whether the drafter's catch-up (what it has not read) could pay for itself within
+        the tokens left (see the module docstring)."""
+        step, read = self.host.step_s.value, self.host.read_s.value
+        if self.budget is None or read is None or step is None:
+            return True
+        left = self.budget - self.produced
+        return self.unread * self.read_cost * read <= self.max_saving * left * step
 
     def _switch(self, speculating: bool) -> None:
         if self.on_switch is not None:

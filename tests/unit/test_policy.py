@@ -144,12 +144,7 @@ def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed(
         def close(self):
             pass
 
-    host = HostCosts()
-    for _ in range(8):  # a host that has seen this drafter pay
-        host.step_s.add(STEP)
-        host.per_token_s.add(PER_TOKEN)
-        host.wait_s.add(0.0)
-        host.accept.update(drafted=15, num_accepted=15)
+    host = _paying_host()
     switches, spec = [], Spec()
     auto = AutoProposer(spec, host, on_switch=switches.append)
     auto.start([1, 2, 3], None, None)
@@ -178,3 +173,78 @@ def test_expensive_probes_are_spaced_by_what_they_cost():
         total += seconds
     assert total <= 1.03 * 32 * 128 * STEP
     assert host.probe_interval == policy.max_probe_every
+
+
+def _paying_host() -> HostCosts:
+    host = HostCosts()
+    for _ in range(8):  # a host that has seen this drafter pay
+        host.step_s.add(STEP)
+        host.per_token_s.add(PER_TOKEN)
+        host.wait_s.add(0.0)
+        host.accept.update(drafted=15, num_accepted=15)
+    return host
+
+
+@pytest.mark.parametrize("budget, speculates", [(24, False), (512, True), (None, True)])
+def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(budget, speculates):
+    """A measuring step first (the host has no step time), then a drafter that has read none of
+    a 2,000-token prompt: at a prefill cost of 1 ms per token its catch-up (2 s) exceeds half of
+    the plain decoding 23 tokens would take, so a short answer stays plain; 511 tokens left (or
+    no budget) leave room for it."""
+    import torch
+
+    from d3d.decode import NO_DRAFT, Proposal
+    from d3d.policy import AutoProposer
+    from d3d.verify import Acceptance
+
+    class Spec:
+        def start(self, *args, first_len=None):
+            self.first_len = first_len
+
+        def propose(self, tokens):
+            return Proposal(torch.arange(15))
+
+        def observe(self, acc, verify_s, next_len=None):
+            self.next_len = next_len
+
+        def close(self):
+            pass
+
+    host = _paying_host()
+    host.step_s.value = None  # this engine's first request: one plain step is measured first
+    spec = Spec()
+    auto = AutoProposer(spec, host, budget=budget)
+    auto.start(list(range(2000)), None, None)
+    assert spec.first_len == 0
+    auto.observe(Acceptance(0, [7]), 2.0)  # the prefill: 1 ms per prompt token
+    assert auto.propose([]) is NO_DRAFT
+    auto.observe(Acceptance(0, [8]), STEP)
+    assert (auto.next_len > 0) is speculates
+    if not speculates:
+        for _ in range(20):
+            assert auto.propose([]).k == 0
+            auto.observe(Acceptance(0, [9]), STEP)
+
+
+def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_plain():
+    """The host's drafter pays and its prefill cost per token is known from earlier requests:
+    a 24-token answer to a 2,000-token prompt starts plain (the drafter need not read the
+    prompt), a 512-token one speculates from the first round."""
+    import torch
+
+    from d3d.decode import Proposal
+    from d3d.policy import AutoProposer
+
+    class Spec:
+        def start(self, *args, first_len=None):
+            self.first_len = first_len
+
+        def propose(self, tokens):
+            return Proposal(torch.arange(15))
+
+    host = _paying_host()
+    host.read_s.add(0.001)
+    for budget, first_len in ((24, 0), (512, 15)):
+        spec = Spec()
+        AutoProposer(spec, host, budget=budget).start(list(range(2000)), None, None)
+        assert spec.first_len == first_len
