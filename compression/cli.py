@@ -31,6 +31,13 @@ def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
     g.add_argument("--chunk-size", type=int, default=32, help="tokens per unit (packed, chunk)")
     g.add_argument("--granularity", default="packed", choices=list(GRANULARITIES))
     g.add_argument("--neighbours", type=int, default=0, help="units kept around a chosen one")
+    g.add_argument(
+        "--head",
+        type=float,
+        default=CompressionConfig.head,
+        help="share of the kept tokens spent on the document's opening (the same for every "
+        "question, so a second question reuses the target's work on it)",
+    )
     g.add_argument("--random-seed", type=int, default=0, help="seed of the random scorer")
     g.add_argument("--score-layers", type=int, default=None, help="layers that read the prompt")
     g.add_argument(
@@ -94,6 +101,7 @@ def compression_config(
         chunk_size=args.chunk_size,
         granularity=args.granularity,
         neighbours=args.neighbours,
+        head=args.head,
         seed=args.random_seed,
         attention=attention_config(args, attention_preset(target_spec, drafter)),
     )

@@ -11,8 +11,9 @@ context tokens: ``round(keep_ratio * len(context))``.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -30,6 +31,7 @@ from compression.selection import (
     Chunk,
     budget,
     fixed_chunks,
+    head_units,
     pool,
     segment,
     select,
@@ -57,6 +59,7 @@ class CompressionConfig:
     fusion_weights: tuple[float, float] = (0.5, 1.0)
     fusion_k: float = 20.0
     ppl_layers: int | None = None
+    head: float = 0.35  # share of the budget for the document head (calibrated: docs/longbench.md)
 
     def __post_init__(self) -> None:
         if self.scorer not in SCORERS:
@@ -73,6 +76,8 @@ class CompressionConfig:
             raise ValueError(f"neighbours must be >= 0, got {self.neighbours}")
         if len(self.fusion_weights) != 2 or min(self.fusion_weights) < 0:
             raise ValueError(f"fusion weights must be two numbers >= 0, got {self.fusion_weights}")
+        if not 0.0 <= self.head < 1.0:
+            raise ValueError(f"head share must be in [0, 1), got {self.head}")
         if self.pooling not in ("mean", "max"):
             raise ValueError(f"pooling must be mean or max, got {self.pooling!r}")
 
@@ -96,6 +101,12 @@ class Compressed:
     scorer: str
     keep_ratio: float
     seconds: float
+    head: int = 0  # kept context tokens from the document's start that every question keeps
+
+    @property
+    def shared_prefix(self) -> int:
+        """Prompt tokens (instruction and document head) the same for every question."""
+        return len(self.parts.prefix) + self.head
 
     @property
     def kept_tokens(self) -> int:
@@ -114,6 +125,7 @@ class Compressed:
             "keep_ratio": self.keep_ratio,
             "scorer": self.scorer,
             "seconds": round(self.seconds, 4),
+            "head_tokens": self.head,
         }
 
 
@@ -123,7 +135,8 @@ class Compressed:
 # the embedded default reads with the first 8 target layers: through the drafter itself when the
 # drafter's layers are those frozen target layers (a gated-adapter drafter), else with a copy.
 # Windows of 1,024 tokens make the reading linear in length (at 8k tokens: 5.3 s instead of
-# 13.8 s on one thread, against 63 s for the target's prefill).
+# 13.8 s on one thread, against 63 s for the target's prefill); 512-token windows read faster
+# but double the query passes, which a second question pays (docs/longbench.md).
 RETRIEVAL_HEADS = ((7, 7),)
 RETRIEVAL_DEPTH = 8
 SMOLLM2_ATTENTION = AttentionScoring(
@@ -233,10 +246,19 @@ class Compressor:
         texts = token_texts(self.tokenizer, parts.context)  # type: ignore[arg-type]
         return segment(texts, self.cfg.granularity, self.cfg.chunk_size)
 
-    def score(self, parts: PromptParts) -> ContextScores:
-        """Segment and score (the timed, question-dependent work)."""
+    def head_tokens(self, units: Sequence[Chunk], keep_ratio: float | None = None) -> int:
+        """Context tokens of the document's head that selection will keep (question-free)."""
+        n = units[-1].end if units else 0
+        n_keep = budget(n, self.cfg.keep_ratio if keep_ratio is None else keep_ratio)
+        if n_keep >= n or self.scorer.token_level or not self.cfg.head:
+            return 0
+        m = head_units(units, round(self.cfg.head * n_keep))
+        return units[m - 1].end if m else 0
+
+    def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> ContextScores:
+        """Segment (unless ``units`` are given) and score (the timed, question-dependent work)."""
         t0 = time.perf_counter()
-        units = self.units(parts)
+        units = list(units) if units is not None else self.units(parts)
         scores = self.scorer.score(parts, units)
         if scores.shape != (len(parts.context),):
             raise RuntimeError(
@@ -252,14 +274,19 @@ class Compressor:
         t0 = time.perf_counter()
         n = len(parts.context)
         n_keep = budget(n, ratio)
+        head = 0
         if n_keep >= n:
             kept = list(range(n))
         elif self.scorer.token_level:
             kept = select(scored.scores, fixed_chunks(n, 1), n_keep)
         else:
             units = list(scored.units)
+            pooled = pool(scored.scores, units, self.cfg.pooling)
+            m = head_units(units, round(self.cfg.head * n_keep))
+            pooled[:m] = math.inf  # the document's head: kept first, whatever the question
+            head = self.head_tokens(units, ratio)
             kept = select(
-                pool(scored.scores, units, self.cfg.pooling),
+                pooled,
                 units,
                 n_keep,
                 self.cfg.neighbours,
@@ -267,14 +294,28 @@ class Compressor:
             )
         out = parts.with_context([parts.context[i] for i in kept])
         seconds = scored.seconds + time.perf_counter() - t0
-        return Compressed(out, tuple(kept), len(parts), self.scorer.name, ratio, seconds)
+        return Compressed(out, tuple(kept), len(parts), self.scorer.name, ratio, seconds, head)
 
-    def compress(self, parts: PromptParts, keep_ratio: float | None = None) -> Compressed:
+    def compress(
+        self,
+        parts: PromptParts,
+        keep_ratio: float | None = None,
+        on_head: Callable[[int], None] | None = None,
+    ) -> Compressed:
+        """Score and select. ``on_head``: called with the head's context tokens once the units
+        are known, before scoring (the caller can start the target on the head meanwhile)."""
         ratio = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
         if budget(len(parts.context), ratio) >= len(parts.context):
             n = len(parts.context)
             return Compressed(parts, tuple(range(n)), len(parts), self.scorer.name, ratio, 0.0)
-        return self.select(parts, self.score(parts), ratio)
+        t0 = time.perf_counter()
+        units = self.units(parts)
+        if on_head is not None and (head := self.head_tokens(units, ratio)):
+            on_head(head)
+        segmenting = time.perf_counter() - t0
+        scored = self.score(parts, units)
+        scored = ContextScores(scored.scores, scored.seconds + segmenting, scored.units)
+        return self.select(parts, scored, ratio)
 
 
 def config_dict(cfg: CompressionConfig) -> dict:

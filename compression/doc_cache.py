@@ -16,32 +16,13 @@ DocumentQA`, serialises them with a lock).
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from transformers import DynamicCache
 
+from d3d.kv_store import BoundedLru, cache_bytes, content_key
 
-def content_key(tag: str, *runs: Sequence[int]) -> str:
-    """SHA-256 of a reader tag and token-id runs (the document's identity for a reader)."""
-    h = hashlib.sha256(tag.encode())
-    for run in runs:
-        h.update(b"|")
-        h.update(",".join(map(str, run)).encode())
-    return h.hexdigest()
-
-
-def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes held by a cache's key and value tensors."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
+__all__ = ["DocumentCache", "DocumentReading", "WindowCache", "cache_bytes", "content_key"]
 
 
 @dataclass(frozen=True)
@@ -77,61 +58,8 @@ class DocumentReading:
         return [*self.prefix, *self.context]
 
 
-class DocumentCache:
+class DocumentCache(BoundedLru[DocumentReading]):
     """Size-bounded LRU of :class:`DocumentReading` by key (see the module docstring)."""
 
-    def __init__(self, max_bytes: int = 1 << 30, max_entries: int = 16):
-        if max_bytes < 1 or max_entries < 1:
-            raise ValueError("a document cache needs room for at least one entry")
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
-        self._items: OrderedDict[str, DocumentReading] = OrderedDict()
-        self._bytes: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: str) -> DocumentReading | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return item
-
     def put(self, reading: DocumentReading) -> None:
-        size = reading.nbytes
-        with self._lock:
-            if size > self.max_bytes:
-                return  # larger than the whole cache: not kept
-            self._items.pop(reading.key, None)
-            self._items[reading.key] = reading
-            self._bytes[reading.key] = size
-            while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
-                old, _ = self._items.popitem(last=False)
-                del self._bytes[old]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._bytes.values())
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._items
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes.clear()
-
-    def stats(self) -> dict:
-        return {
-            "entries": len(self),
-            "bytes": self.nbytes,
-            "hits": self.hits,
-            "misses": self.misses,
-        }
+        self.put_sized(reading.key, reading, reading.nbytes)

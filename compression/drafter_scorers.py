@@ -7,8 +7,10 @@ target's first layers copied into a model of their own that shares the embedding
 differently at mask slots (adapters) reads the look-ahead block as it drafts.
 
 1. *Document pass*: ``prefix + context`` through ``body`` with sdpa into a KV cache, stopping
-   after layer ``depth`` (early exit: a forward hook on that layer ends the pass; deeper layers
-   are never run). At full depth this cache is the drafter's prefill of the whole prompt.
+   as soon as layer ``depth - 1`` has cached its keys and values (early exit: that layer's
+   attention output and MLP, and every deeper layer, are never run; about one layer in eight
+   saved at depth 8). At full depth this cache is the drafter's prefill of the whole prompt
+   (less the last layer's output, which the next forward does not need).
 2. *Query pass*: the suffix (question, instruction tail, assistant header), and optionally one
    appended draft block ``[anchor, MASK x (B-1)]`` as look-ahead, on top of that cache with eager
    attention (4D mask: the suffix is causal; the block sees everything and itself
@@ -45,7 +47,8 @@ from compression.selection import Chunk, smooth
 from d3d import masks
 from d3d.config import DEFAULT_BLOCK_SIZE
 from d3d.drafter import D3DDrafter
-from d3d.hf import trim_cache
+from d3d.hf import cache_length, trim_cache
+from d3d.kv_store import copy_cache
 
 REDUCTIONS = ("max", "mean")
 
@@ -179,6 +182,26 @@ def early_exit(model: D3DDrafter, depth: int | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def stop_after_caching(cache: DynamicCache, layer: int) -> Iterator[None]:
+    """End a pass as soon as ``layer`` has written its keys and values to ``cache``: a document
+    pass needs the last layer's KV only (its attention output and MLP feed nothing)."""
+
+    def update(*args, **kwargs):
+        out = DynamicCache.update(cache, *args, **kwargs)
+        if kwargs.get("layer_idx", args[2] if len(args) > 2 else None) == layer:
+            raise _EarlyExit
+        return out
+
+    cache.update = update  # type: ignore[method-assign]
+    try:
+        yield
+    except _EarlyExit:
+        pass
+    finally:
+        del cache.update
+
+
+@contextlib.contextmanager
 def capture_attention(
     model: D3DDrafter, layers: Sequence[int]
 ) -> Iterator[dict[int, torch.Tensor]]:
@@ -279,14 +302,20 @@ class DrafterAttentionScorer:
         return torch.cat([head, block], dim=1), mask, slots
 
     @torch.inference_mode()
-    def read_window(self, prefix: Sequence[int], ctx: Sequence[int]) -> DynamicCache:
-        """The document pass over ``prefix + ctx``: a cache of the first ``depth`` layers."""
+    def read_window(
+        self, prefix: Sequence[int], ctx: Sequence[int], read: DynamicCache | None = None
+    ) -> DynamicCache:
+        """The document pass over ``prefix + ctx``: a cache of the first ``depth`` layers.
+        ``read``: the prefix's pass already made (shared by the windows), continued from."""
         dev = self.model.device
-        ids = torch.tensor([[*prefix, *ctx]], device=dev)
-        cache = DynamicCache()
+        cache = copy_cache(read) if read is not None else DynamicCache()
+        start = cache_length(cache)
+        ids = torch.tensor([[*prefix, *ctx][start:]], device=dev)
+        if ids.shape[1] == 0:
+            return cache
         emb = self.model.lm.get_input_embeddings()(ids)
-        pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
-        with early_exit(self.model, self.depth):
+        pos = torch.arange(start, start + ids.shape[1], device=dev).unsqueeze(0)
+        with stop_after_caching(cache, self.depth - 1):
             self.model.body(emb, pos, None, cache)
         return cache
 
@@ -336,10 +365,12 @@ class DrafterAttentionScorer:
             return hit
         extra = self.model.block_size - 1 if self.cfg.lookahead else 0
         size = _window_size(self.model, parts, extra, self.cfg.window)
+        spans = [(s, e) for s, e in windows(len(parts.context), size) if e > s]
+        # The prefix is read once; every window continues from a copy of its pass.
+        head = self.read_window(parts.prefix, ()) if len(spans) > 1 and parts.prefix else None
         wins = tuple(
-            WindowCache(s, e, self.read_window(parts.prefix, parts.context[s:e]))
-            for s, e in windows(len(parts.context), size)
-            if e > s
+            WindowCache(s, e, self.read_window(parts.prefix, parts.context[s:e], head))
+            for s, e in spans
         )
         reading = DocumentReading(key, tuple(parts.prefix), tuple(parts.context), wins)
         reading = reading.with_drafter_cache(self.full_depth)

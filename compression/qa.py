@@ -16,6 +16,7 @@ switches the reader's attention implementation and writes to a shared document c
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ from compression.drafter_scorers import DrafterAttentionScorer
 from compression.prompt import PromptParts, build_parts
 from d3d.config import DecodeConfig
 from d3d.engine import Engine
+
+log = logging.getLogger(__name__)
 
 QA_TEMPLATE = (
     "Read the document below and answer the question that follows.\n\n{context}\n\n"
@@ -153,6 +156,27 @@ class DocumentQA:
             input=question,
         )
 
+    def overlap(self, scorer: str | None = None) -> bool:
+        """Whether the target may encode the document's head while ``scorer`` reads: always,
+        unless the reader runs the target's own layer modules (the query pass switches their
+        attention implementation, which the target's forward must not see)."""
+        name = scorer or self.cfg.scorer
+        if name not in ("drafter-attention", "hybrid"):
+            return True
+        reader = {id(p) for p in self.attention().model.lm.model.layers.parameters()}
+        return not any(id(p) in reader for p in self.engine.target.model.parameters())
+
+    def _cache_prefix(self, ids: list[int]) -> None:
+        try:
+            self.engine.cache_prefix(ids)
+        except Exception:  # the request then encodes the head itself
+            log.exception("encoding the document head ahead of the answer failed")
+
+    def forget(self) -> None:
+        """Empty the document cache and the target's prefix cache (a cold first question)."""
+        self.cache.clear()
+        self.engine.prefix_cache.clear()
+
     def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:
         """Whether the reader's pass over this document is in the cache."""
         name = scorer or self.cfg.scorer
@@ -182,19 +206,35 @@ class DocumentQA:
         target reads the kept one (speculative modes; the answer is the same, lossless)."""
         with self.lock:
             cached = self.is_cached(parts, scorer)
-            comp = self.compress(parts, keep_ratio, scorer)
+            warm: list[threading.Thread] = []
+
+            def on_head(n: int) -> None:  # the target reads the head while the reader scores
+                if self.overlap(scorer):
+                    ids = [*parts.prefix, *parts.context[:n]]
+                    warm.append(threading.Thread(target=self._cache_prefix, args=(ids,)))
+                    warm[-1].start()
+
+            comp = self.compressor(scorer).compress(parts, keep_ratio, on_head)
+            t0 = time.perf_counter()
+            for t in warm:
+                t.join()
+            waited = time.perf_counter() - t0
             window = getattr(self.engine.target.model.config, "max_position_embeddings", None)
             if window and comp.kept_tokens + dcfg.max_new_tokens + dcfg.block_size > window:
                 raise ValueError(
                     f"the kept prompt ({comp.kept_tokens} tokens) does not fit the target's "
                     f"{window}-token window: lower --keep"
                 )
-            if draft_from_document:
-                gen = self.engine.generate_ids(comp.parts.ids, dcfg, draft_prompt_ids=parts.ids)
-            else:
-                gen = self.engine.generate_ids(comp.parts.ids, dcfg)
+            # The instruction and the document's head open every question's kept prompt: the
+            # target's KV for them is kept for the next question (the engine's prefix cache).
+            gen = self.engine.generate_ids(
+                comp.parts.ids,
+                dcfg,
+                draft_prompt_ids=parts.ids if draft_from_document else None,
+                shared_prefix=comp.shared_prefix if comp.head else 0,
+            )
         st = gen.stats
-        timings = Timings(tokenize_s, comp.seconds, st.prefill_seconds, st.decode_seconds)
+        timings = Timings(tokenize_s, comp.seconds, waited + st.prefill_seconds, st.decode_seconds)
         return QAResult(gen.text.strip(), question, comp, st.to_dict(), timings, cached)
 
     def answer(

@@ -147,6 +147,16 @@ def spread(unit_scores: Sequence[float] | torch.Tensor, chunks: Sequence[Chunk])
     return torch.repeat_interleave(torch.as_tensor(unit_scores, dtype=torch.float32), lengths)
 
 
+def head_units(units: Sequence[Chunk], n_tokens: int) -> int:
+    """How many leading units fit in ``n_tokens`` (the document's head, kept for any question)."""
+    used = 0
+    for j, u in enumerate(units):
+        used += len(u)
+        if used > n_tokens:
+            return j
+    return len(units)
+
+
 def select(
     chunk_scores: torch.Tensor,
     chunks: Sequence[Chunk],

@@ -37,6 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 from d3d.config import DecodeConfig, SamplingConfig
 from d3d.drafter import Draft
 from d3d.hf import cache_length, trim_cache, with_cache
+from d3d.kv_store import PrefixCache
 from d3d.sampling import make_generator, pick, probabilities
 from d3d.stats import DecodeStats, Round
 from d3d.verify import Acceptance, greedy_accept, stochastic_accept
@@ -57,10 +58,17 @@ __all__ = [
 class TargetSession:
     """The target's per-request state: a KV cache of committed tokens except the last."""
 
-    def __init__(self, model: PreTrainedModel, prefill_chunk: int = 4096):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        prefill_chunk: int = 4096,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.model = model
         self.cache = DynamicCache()
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
+        self.reused = 0  # prompt tokens whose KV the prefix cache supplied
 
     @property
     def device(self) -> torch.device:
@@ -84,8 +92,23 @@ class TargetSession:
         )
         return out.logits[0]
 
-    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """Encode the prompt in chunks; logits [V] for the first new token."""
+    def prefill(self, ids: Sequence[int], shared: int = 0) -> torch.Tensor:
+        """Encode the prompt in chunks; logits [V] for the first new token. ``shared``: the
+        first tokens form a prefix other requests share (:class:`~d3d.kv_store.PrefixCache`):
+        encoded on their own (or taken from the cache), then the rest."""
+        if self.prefix_cache is not None and 0 < shared < len(ids):
+            head = ids[:shared]
+            cached = self.prefix_cache.lookup(head)
+            if cached is not None:
+                self.cache, self.reused = cached, shared
+            else:
+                self.encode(head)
+                self.prefix_cache.store(head, self.cache)
+            ids = ids[shared:]
+        return self.encode(ids)
+
+    def encode(self, ids: Sequence[int]) -> torch.Tensor:
+        """Append ``ids`` to the cache in chunks; logits [V] after the last one."""
         logits = None
         for i in range(0, len(ids), self.prefill_chunk):
             logits = self.forward(ids[i : i + self.prefill_chunk], last_only=True)
@@ -266,25 +289,30 @@ def decode(
     eos_ids: set[int],
     stats: DecodeStats | None = None,
     draft_prompt_ids: Sequence[int] | None = None,
+    shared_prefix: int = 0,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[list[int]]:
     """Generate after ``prompt_ids``, yielding the tokens each round commits.
 
     ``stats`` (optional) is filled in as the loop runs and is complete when the generator ends.
     Closing the generator early (a cancelled request) closes the proposer too.
+    ``shared_prefix``: how many first prompt tokens other requests share; their KV is kept in
+    (and taken from) ``prefix_cache``.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     stats = stats if stats is not None else DecodeStats(mode=proposer.name)
     stats.prompt_tokens = len(prompt_ids)
-    target = TargetSession(model)
+    target = TargetSession(model, prefix_cache=prefix_cache)
     sampling = cfg.sampling
     generator = make_generator(sampling, target.device)
     proposer.start(prompt_ids, sampling, generator, draft_prompt_ids)
     try:
         t0 = time.perf_counter()
-        first = pick(target.prefill(prompt_ids), sampling, generator)
+        first = pick(target.prefill(prompt_ids, shared_prefix), sampling, generator)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
+        stats.cached_prompt_tokens = target.reused
         proposer.observe(Acceptance(num_accepted=0, tokens=[first]), t1 - t0)
 
         tokens = list(prompt_ids)

@@ -43,6 +43,7 @@ class DecodeStats:
 
     mode: str
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_tokens: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -118,6 +119,7 @@ class DecodeStats:
         return {
             "mode": self.mode,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "num_tokens": self.num_tokens,
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,

@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--neighbours", default="0")
     p.add_argument("--keep", default="0.2,0.1,0.05")
     p.add_argument("--weights", default="1,1", help="recall: hybrid weights attention,bm25")
+    p.add_argument("--head", default="0", help="recall: shares of the budget for the doc head")
+    p.add_argument("--window", type=int, default=None, help="recall: reading window (tokens)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = load_target(args.target)
@@ -164,42 +166,49 @@ def main(argv: list[str] | None = None) -> int:
         heads=_heads(args.heads),
         quantize=args.quantize,
         lookahead=args.lookahead == "on",
+        window=args.window,
     )
     att = make_attention_scorer(att_cfg, drafter, target.model)
     att.cache = DocumentCache(max_entries=len(items) + 1, max_bytes=8 << 30)
     w = tuple(float(x) for x in args.weights.split(","))
     keeps = [float(k) for k in args.keep.split(",")]
     rows = []
-    for gran in args.granularities.split(","):
-        for nb in (int(x) for x in args.neighbours.split(",")):
-            for name in args.scorers.split(","):
-                if name not in SCORERS:
-                    raise ValueError(f"unknown scorer {name!r}")
-                cfg = CompressionConfig(
-                    scorer=name, granularity=gran, neighbours=nb, attention=att_cfg,
-                    fusion_weights=w,  # type: ignore[arg-type]
-                )  # fmt: skip
-                comp = Compressor.build(replace(cfg), tok, drafter, target.model, att)
-                kept = {k: 0 for k in keeps}
-                secs = 0.0
-                for item in items:
-                    parts = item_parts(item, tok, 8000)
-                    t0 = time.perf_counter()
-                    scored = comp.score(parts)
-                    secs += time.perf_counter() - t0
-                    for k in keeps:
-                        text = tok.decode(comp.select(parts, scored, k).parts.context)
-                        kept[k] += evidence_kept(item, text)
-                rows.append(
-                    {
-                        "granularity": gran,
-                        "neighbours": nb,
-                        "scorer": name,
-                        "recall": {f"{k:g}": round(kept[k] / len(items), 3) for k in keeps},
-                        "score_s": round(secs / len(items), 3),
-                    }
-                )
-                print(json.dumps(rows[-1]), flush=True)
+    grid = [
+        (gran, nb, name, float(head))
+        for gran in args.granularities.split(",")
+        for nb in (int(x) for x in args.neighbours.split(","))
+        for name in args.scorers.split(",")
+        for head in args.head.split(",")
+    ]
+    for gran, nb, name, head in grid:
+        if name not in SCORERS:
+            raise ValueError(f"unknown scorer {name!r}")
+        cfg = CompressionConfig(
+            scorer=name, granularity=gran, neighbours=nb, attention=att_cfg,
+            fusion_weights=w, head=head,  # type: ignore[arg-type]
+        )  # fmt: skip
+        comp = Compressor.build(replace(cfg), tok, drafter, target.model, att)
+        kept = {k: 0 for k in keeps}
+        secs = 0.0
+        for item in items:
+            parts = item_parts(item, tok, 8000)
+            t0 = time.perf_counter()
+            scored = comp.score(parts)
+            secs += time.perf_counter() - t0
+            for k in keeps:
+                text = tok.decode(comp.select(parts, scored, k).parts.context)
+                kept[k] += evidence_kept(item, text)
+        rows.append(
+            {
+                "granularity": gran,
+                "neighbours": nb,
+                "scorer": name,
+                "head": head,
+                "recall": {f"{k:g}": round(kept[k] / len(items), 3) for k in keeps},
+                "score_s": round(secs / len(items), 3),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
     return 0
 
 

@@ -4,8 +4,10 @@ For each document size (essays with six needle facts, the needle family of the t
 process with models loaded once, :class:`compression.qa.DocumentQA` (what ``d3d qa`` runs):
 
 - ``full``: keep 1.0 (no scoring), question 1;
-- ``first``: keep 0.1 with an empty document cache, question k (the reader reads the document);
-- ``second``: keep 0.1, question k+1 right after (the reader's pass comes from the cache).
+- ``first``: keep 0.1 with empty caches, question k (the reader reads the document while the
+  target encodes the instruction and the document's head);
+- ``second``: keep 0.1, question k+1 right after (the reader's pass and the target's KV of the
+  instruction and head come from the caches).
 
 Each is repeated ``--repeats`` times (questions rotate); medians are reported with the scoring's
 share of ``total_s`` and the ratios. ``--draft-prefix`` adds the acceptance comparison of item 3:
@@ -75,7 +77,7 @@ def run_size(qa: DocumentQA, size_k: int, dcfg: DecodeConfig, repeats: int) -> d
         q1 = NEEDLES[(2 * r) % len(NEEDLES)]
         q2 = NEEDLES[(2 * r + 1) % len(NEEDLES)]
         full.append(qa.answer(text, q1[1], dcfg, keep_ratio=1.0).to_dict())
-        qa.cache.clear()
+        qa.forget()
         first.append(qa.answer(text, q1[1], dcfg, keep_ratio=0.1).to_dict())
         second.append(qa.answer(text, q2[1], dcfg, keep_ratio=0.1).to_dict())
         first[-1]["correct"] = q1[2].lower() in first[-1]["answer"].lower()
@@ -96,6 +98,8 @@ def run_size(qa: DocumentQA, size_k: int, dcfg: DecodeConfig, repeats: int) -> d
         "second_vs_first": a / b,
         "scoring_share_first": median(first, "compress_s") / a,
         "scoring_vs_full_prefill": median(first, "compress_s") / median(full, "prefill_s"),
+        "head_tokens": first[0]["compression"]["head_tokens"],
+        "second_cached_prompt_tokens": second[0]["speculative"]["cached_prompt_tokens"],
         "answers_correct": sum(x["correct"] for x in first + second),
         "answers": len(first) + len(second),
         "runs": {"full": full, "first": first, "second": second},
@@ -131,14 +135,15 @@ def markdown(rows: list[dict], mode: str) -> str:
     lines = [
         f"`d3d qa` (DocumentQA), keep 0.1 vs the full prompt, mode {mode}, medians over repeats.",
         "",
-        "| doc | tokens | kept | full s | first s | second s | speed-up (first) | speed-up "
-        "(second) | second vs first | scoring s | scoring share | scoring / full prefill | "
-        "correct |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| doc | tokens | kept | head + instruction | full s | first s | second s | speed-up "
+        "(first) | speed-up (second) | second vs first | scoring s | scoring share | scoring / "
+        "full prefill | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size_k']}k | {r['total_tokens']} | {r['kept_tokens']} | "
+            f"{r['second_cached_prompt_tokens']} | "
             f"{r['full_total_s']:.2f} | {r['first_total_s']:.2f} | {r['second_total_s']:.2f} | "
             f"{r['speedup_first']:.2f}x | {r['speedup_second']:.2f}x | "
             f"{r['second_vs_first']:.2f}x | {r['first_compress_s']:.2f} | "

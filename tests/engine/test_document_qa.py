@@ -59,3 +59,28 @@ def test_drafting_from_the_full_document_gives_the_same_answer():
     whole = qa.answer(DOC, "where is the key?", dcfg, 0.2, draft_from_document=True)
     assert whole.answer == kept.answer
     assert whole.speculative["num_drafts"] > 0
+
+
+def test_the_document_head_is_encoded_once_while_the_reader_scores_and_reused():
+    """With a head share, the instruction and the document's head open every question's kept
+    prompt: the target encodes them beside the reader's pass (the first question's prefill then
+    starts after them), keeps their KV, and the second question starts from it. Answers equal
+    those of an engine that encodes each prompt in the request (greedy, token for token)."""
+    from dataclasses import replace
+
+    qa = tiny_qa()
+    qa.cfg = replace(qa.cfg, head=0.5)
+    qa._compressors.clear()
+    dcfg = DecodeConfig(mode="ar", max_new_tokens=8)
+    questions = ["where is the key?", "what barks?"]
+    first, second = qa.answer_all(DOC, questions, dcfg, 0.2)
+    head = second.compression.shared_prefix
+    assert second.compression.head > 0 and first.compression.shared_prefix == head
+    assert first.speculative["cached_prompt_tokens"] == head
+    assert second.speculative["cached_prompt_tokens"] == head
+    assert len(qa.engine.prefix_cache) == 1
+    qa.forget()
+    qa.overlap = lambda scorer=None: False  # the request encodes the head itself
+    cold = qa.answer_all(DOC, questions, dcfg, 0.2)
+    assert [r.speculative["cached_prompt_tokens"] for r in cold] == [0, head]
+    assert [r.answer for r in cold] == [first.answer, second.answer]

@@ -126,3 +126,21 @@ def _cache_with(drafter, prefix):
     with torch.inference_mode():
         drafter.encode(prefix, cache)
     return cache
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_a_prefix_from_the_prefix_cache_gives_plain_greedy_decoding(tiny_target, prompt):
+    """The target's KV for a shared prompt prefix, stored by one request and taken by the
+    next, decodes exactly as plain greedy decoding of the whole prompt."""
+    from d3d.kv_store import PrefixCache
+
+    cache = PrefixCache()
+    cfg = DecodeConfig(mode="ar", max_new_tokens=20)
+    want = greedy_continuation(tiny_target, prompt, 20)
+    shared = len(prompt) // 2
+    for reused in (0, shared):
+        stats = DecodeStats(mode="ar")
+        out = decode(tiny_target, ArProposer(), prompt, cfg, NO_EOS, stats, None, shared, cache)
+        assert [t for chunk in out for t in chunk] == want
+        assert stats.cached_prompt_tokens == reused
+    assert len(cache) == 1 and cache.stats()["hits"] == 1

@@ -235,3 +235,19 @@ def test_quantized_copy_of_the_drafter_leaves_the_drafter_alone():
     assert scorer.model is not drafter
     assert scorer.model.lm.get_input_embeddings() is drafter.lm.get_input_embeddings()
     assert scorer.score(sample_parts()).shape == (50,)
+
+
+def test_the_document_pass_stops_once_the_last_layer_has_cached_its_keys():
+    """The last reading layer's attention output and MLP feed nothing: they never run in the
+    document pass (the query pass runs them), and the scores still match (the test above)."""
+    model = tiny_model(layers=3)
+    scorer = DrafterAttentionScorer(model, AttentionScoring(layers=2, lookahead=False))
+    ran = []
+    for i, layer in enumerate(scorer.model.lm.model.layers):
+        layer.mlp.register_forward_hook(lambda *_, i=i: ran.append(i))
+    parts = sample_parts()
+    cache = scorer.read_window(parts.prefix, parts.context)
+    assert ran == [0] and len(cache.layers) == 2
+    assert cache.get_seq_length() == len(parts.prefix) + len(parts.context)
+    scorer.query(cache, parts.suffix, len(parts.prefix))
+    assert ran == [0, 0, 1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from compression.selection import (
     Chunk,
     budget,
     fixed_chunks,
+    head_units,
     packed_chunks,
     pool,
     segment,
@@ -303,3 +306,22 @@ def test_middle_truncate_keeps_first_and_last_halves():
 def test_prompt_parts_need_a_question():
     with pytest.raises(ValueError):
         PromptParts((1,), (2,), ())
+
+
+def test_the_document_head_is_kept_first_for_any_question():
+    """``head=0.5``: the leading units filling half the budget are kept whatever the scores,
+    the rest goes to the best units; the head is a prefix of the kept context."""
+    parts = parts_of(100)
+    scores = [0.0] * 100
+    scores[0:8] = [-1.0] * 8  # the head scores lowest
+    scores[80:88] = [5.0] * 8
+    cfg = CompressionConfig(scorer="random", chunk_size=8, granularity="chunk", head=0.5)
+    out = Compressor(FixedScorer(scores), cfg).compress(parts, 0.16)
+    assert out.kept == (*range(0, 8), *range(80, 88))
+    assert out.head == 8 and out.shared_prefix == len(parts.prefix) + 8
+    assert out.to_dict()["head_tokens"] == 8
+    plain = Compressor(FixedScorer(scores), replace(cfg, head=0.0)).compress(parts, 0.16)
+    assert plain.head == 0 and 80 in plain.kept and 0 not in plain.kept
+    assert head_units([Chunk(0, 5), Chunk(5, 9), Chunk(9, 20)], 9) == 2
+    with pytest.raises(ValueError):
+        CompressionConfig(head=1.0)
