@@ -47,6 +47,12 @@ def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
     g.add_argument("--lookahead", default=None, choices=["on", "off"], help="append a draft block")
     g.add_argument("--quantize", default=None, choices=["on", "off"], help="int8 reader layers")
     g.add_argument("--score-window", type=int, default=None, help="reading window in tokens")
+    g.add_argument(
+        "--score-workers",
+        type=int,
+        default=None,
+        help="windows read at once (default: the cores torch's threads leave idle; 1 on a GPU)",
+    )
     g.add_argument("--fusion", default=None, help="hybrid weights attention,bm25 (e.g. 1,1)")
 
 
@@ -84,6 +90,8 @@ def attention_config(args: argparse.Namespace, preset: AttentionScoring) -> Atte
         att = replace(att, quantize=args.quantize == "on")
     if args.score_window is not None:
         att = replace(att, window=args.score_window)
+    if args.score_workers is not None:
+        att = replace(att, workers=args.score_workers)
     return att
 
 
