@@ -108,6 +108,64 @@ def test_long_context_is_scored_in_windows():
     torch.testing.assert_close(scores[s0:e0], alone)
 
 
+@pytest.mark.parametrize("quantize", [False, True])
+def test_windows_read_side_by_side_give_the_numbers_of_one_after_another(quantize):
+    """Several threads read windows (and run their query passes) on one model at once: each
+    window's cache and scores are exactly those of reading it alone."""
+    from dataclasses import replace
+
+    from compression.doc_cache import DocumentCache
+
+    model = tiny_model(window=512)
+    parts = sample_parts(400)
+    base = AttentionScoring(layers=2, lookahead=False, window=96, quantize=quantize, workers=1)
+    serial = DrafterAttentionScorer(model, base)
+    # the same reader model (int8 or not), read by four threads at once
+    side = DrafterAttentionScorer.from_drafter(
+        serial.model, replace(base, quantize=False, workers=4)
+    )
+    assert side.model is serial.model
+    side.cache = DocumentCache()
+    assert side.workers == 4
+    one, four = serial.read(parts), side.read(parts)
+    assert len(four.windows) >= 5
+    for a, b in zip(one.windows, four.windows, strict=True):
+        assert (a.start, a.end) == (b.start, b.end)
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    expected = serial.score(parts)
+    assert torch.equal(side.score(parts), expected)
+    assert torch.equal(side.score(parts), expected)  # from the document cache, queries in threads
+
+
+def test_reader_workers_fill_the_cores_torch_leaves_idle(monkeypatch):
+    from compression import reading
+
+    monkeypatch.setattr(reading.os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(reading.torch, "get_num_threads", lambda: 2)
+    assert reading.reader_workers(torch.device("cpu")) == 2
+    assert reading.reader_workers(torch.device("cpu"), requested=3) == 3
+    assert reading.reader_workers(torch.device("meta")) == 1  # an accelerator: one stream
+    monkeypatch.setattr(reading.torch, "get_num_threads", lambda: 8)
+    assert reading.reader_workers(torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="workers"):
+        AttentionScoring(workers=0)
+
+
+def test_parallel_map_keeps_order_and_raises_a_worker_error():
+    from compression.reading import parallel_map
+
+    assert parallel_map(lambda x: x * x, list(range(9)), 4) == [x * x for x in range(9)]
+
+    def boom(x):
+        if x == 3:
+            raise RuntimeError("window 3 failed")
+        return x
+
+    with pytest.raises(RuntimeError, match="window 3"):
+        parallel_map(boom, list(range(6)), 3)
+
+
 def test_quantized_reader_runs_and_stays_close():
     model = tiny_model()
     parts = sample_parts()
