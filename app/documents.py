@@ -38,6 +38,7 @@ class PreparedDocument:
     prompt_ids: list[int]
     compression: dict
     seconds: float
+    shared_prefix: int = 0  # the instruction and the document's head: the same for every question
 
 
 def scorers() -> tuple[str, ...]:
@@ -86,4 +87,5 @@ class Documents:
             kept_spans(offsets, comp.kept) if comp.context_tokens == len(offsets) else []
         )
         info["document_chars"] = len(document)
-        return PreparedDocument(comp.parts.ids, info, time.perf_counter() - t0)
+        shared = comp.shared_prefix if comp.head else 0
+        return PreparedDocument(comp.parts.ids, info, time.perf_counter() - t0, shared)

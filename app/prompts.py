@@ -66,6 +66,6 @@ def qa(
             param = "scorer" if "scorer" in msg else "document" if "document" in msg else None
             raise ApiError(422 if param else 400, msg, param) from exc
         info = dict(doc.compression)
-        return Prepared(doc.prompt_ids, info, time.perf_counter() - t0)
+        return Prepared(doc.prompt_ids, info, time.perf_counter() - t0, doc.shared_prefix)
 
     return prepare

@@ -26,6 +26,7 @@ from app.metrics import Metrics
 from app.settings import ServeSettings
 from d3d.batching import BatchEngine, GenRequest
 from d3d.config import SamplingConfig
+from d3d.kv_store import PrefixCache
 
 log = logging.getLogger("app.worker")
 
@@ -37,6 +38,7 @@ class Prepared:
     prompt_ids: list[int]
     info: dict = field(default_factory=dict)
     seconds: float = 0.0
+    shared_prefix: int = 0  # first prompt tokens other requests share (the engine caches their KV)
 
 
 class Models:
@@ -160,8 +162,14 @@ class EngineWorker:
         # thread (encoding) cannot be used from another thread at the same moment.
         self.detokenizer = copy.deepcopy(engine.tokenizer)
         model = engine.target.model
+        # The batched engine keeps its own prefix cache: a request computes the same numbers
+        # whether or not its prefix was cached only if the entry came from the same path.
         self.batch = BatchEngine(
-            model, engine.target.eos_token_ids, engine.drafter, max_batch=self.settings.max_batch
+            model,
+            engine.target.eos_token_ids,
+            engine.drafter,
+            max_batch=self.settings.max_batch,
+            prefix_cache=PrefixCache(tag="batch"),
         )
         p = next(model.parameters())
         drafter = engine.drafter
@@ -248,6 +256,7 @@ class EngineWorker:
                 max_new_tokens=job.max_new_tokens,
                 sampling=job.sampling,
                 mode=job.mode,
+                shared_prefix=prepared.shared_prefix,
                 on_tokens=lambda ids: self._on_tokens(job, ids),
                 on_finish=lambda stats, err: self._on_finish(job, stats, err),
             )

@@ -18,7 +18,7 @@ Letters: R row slots, C capacity, L attended keys, T new tokens, Hkv KV heads, D
 from __future__ import annotations
 
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache
 
 GROW = 64  # capacity is allocated in multiples of this many positions
 
@@ -93,6 +93,27 @@ class RowCache(Cache):
             self.k[i][dst, :, :n] = self.k[i][src, :, :n]
             self.v[i][dst, :, :n] = self.v[i][src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
+
+    def load(self, slot: int, cache) -> None:
+        """Fill an empty slot with a :class:`~transformers.DynamicCache`'s keys and values."""
+        n = cache.get_seq_length()
+        self.reserve(slot + 1, n)
+        for i, layer in enumerate(cache.layers):
+            self.k[i][slot, :, :n] = layer.keys[0].to(self.dtype)
+            self.v[i][slot, :, :n] = layer.values[0].to(self.dtype)
+        self.lengths[slot] = n
+
+    def snapshot(self, slot: int) -> DynamicCache:
+        """A slot's committed keys and values as a :class:`~transformers.DynamicCache` (copies)."""
+        n = self.lengths[slot]
+        out = DynamicCache()
+        for i in range(self.num_layers):
+            out.update(
+                self.k[i][slot : slot + 1, :, :n].clone(),
+                self.v[i][slot : slot + 1, :, :n].clone(),
+                i,
+            )
+        return out
 
     # -- one forward ---------------------------------------------------------------------------
     def begin(self, start: int, stop: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ class GenRequest:
     max_new_tokens: int = 256
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     mode: str = "auto"
+    shared_prefix: int = 0  # first prompt tokens other requests share (their KV is cached)
     on_tokens: Callable[[list[int]], None] = _noop_tokens
     on_finish: Callable[[DecodeStats, BaseException | None], None] = _noop_finish
     id: int = field(default_factory=lambda: next(_ids))

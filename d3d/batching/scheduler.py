@@ -4,7 +4,9 @@
 
 1. drops cancelled rows;
 2. admits waiting requests between rounds (continuous batching): their prompts are prefilled
-   together in padded chunks into fresh cache slots, and each gets its first token;
+   together in padded chunks into fresh cache slots, and each gets its first token; a prompt
+   prefix that requests share (document QA: the instruction and the document's head) comes from
+   the prefix cache when it holds it;
 3. runs one round for every running row in ONE target forward: the speculation policy
    (:mod:`d3d.batching.policy`) decides from measured costs which rows draft; speculating rows
    send ``[anchor, d_1..d_K]``, the others ``[anchor]`` (padded); each row then accepts with
@@ -32,6 +34,7 @@ from d3d.batching.policy import CostModel, Plan, RunningMean, decide, row_kind
 from d3d.batching.request import GenRequest, Row
 from d3d.batching.target import BatchTarget
 from d3d.decode import DecodeStats, Drafter, Round, _clip
+from d3d.kv_store import PrefixCache
 from d3d.sampling import make_generator, pick, probabilities
 from d3d.verify import greedy_accept, stochastic_accept
 
@@ -51,8 +54,12 @@ class BatchEngine:
         prefill_chunk: int = 512,
         prefill_budget: int = 4096,
         window: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
+        """``prefix_cache``: the target's KV of prompt prefixes requests share
+        (:attr:`GenRequest.shared_prefix`); None encodes every prompt whole."""
         self.target = BatchTarget(model)
+        self.prefix_cache = prefix_cache
         self.eos_ids = set(eos_ids)
         self.drafter = drafter
         self.block_size = int(getattr(drafter, "block_size", block_size)) if drafter else block_size
@@ -128,34 +135,79 @@ class BatchEngine:
             self._prefill(group)
 
     def _prefill(self, group: list[GenRequest]) -> None:
+        """Prefill a group into fresh slots. A request naming a shared prefix encodes it on its
+        own first (or copies its KV from the prefix cache), then the rest, so it computes the
+        same whether or not the prefix was cached (as :meth:`d3d.decode.TargetSession.prefill`)."""
         start = len(self.rows)
         for b, req in enumerate(group):
             stats = DecodeStats(mode=req.mode, prompt_tokens=len(req.prompt_ids))
             gen = make_generator(req.sampling, self.target.device)
             self.rows.append(Row(req, start + b, list(req.prompt_ids), stats, gen))
         t0 = time.perf_counter()
-        longest = max(len(r.prompt_ids) for r in group)
-        last: list[torch.Tensor | None] = [None] * len(group)
+        rows = self.rows[start:]
+        first: list[list[int]] = []  # what each row encodes in the first pass
+        second: list[list[int]] = []  # and after its prefix was stored
+        for row in rows:
+            ids, shared = row.req.prompt_ids, row.req.shared_prefix
+            if self.prefix_cache is None or not 0 < shared < len(ids):
+                first.append(list(ids))
+                second.append([])
+            elif self._reuse_prefix(row, ids[:shared]):
+                first.append(list(ids[shared:]))
+                second.append([])
+            else:
+                first.append(list(ids[:shared]))
+                second.append(list(ids[shared:]))
+        last = self._encode(start, first, [not s for s in second])
+        for row, rest in zip(rows, second, strict=True):
+            if rest:
+                self._store_prefix(row)
+        if any(second):
+            more = self._encode(start, second, [bool(s) for s in second])
+            last = [m if s else x for x, m, s in zip(last, more, second, strict=True)]
+        seconds = time.perf_counter() - t0
+        for b, row in enumerate(rows):
+            row.stats.prefill_seconds = seconds
+            first_token = pick(last[b], row.req.sampling, row.generator)  # type: ignore[arg-type]
+            row.first_token_at = time.perf_counter()
+            self._emit(row, [first_token])
+        self._sweep()
+
+    def _encode(
+        self, start: int, runs: Sequence[Sequence[int]], want: Sequence[bool]
+    ) -> list[torch.Tensor | None]:
+        """Append ``runs[b]`` to slot ``start + b`` in padded chunks (an empty run sits out);
+        the logits [V] after each run's last token where ``want[b]``."""
+        last: list[torch.Tensor | None] = [None] * len(runs)
+        longest = max(len(r) for r in runs)
         for c in range(0, longest, self.prefill_chunk):
-            pieces = [r.prompt_ids[c : c + self.prefill_chunk] or r.prompt_ids[-1:] for r in group]
-            ends = {len(r.prompt_ids) - 1 - c for r in group}
+            pieces = [list(r[c : c + self.prefill_chunk]) or [0] for r in runs]
+            ends = {len(r) - 1 - c for r, w in zip(runs, want, strict=True) if w}
             keep = sorted(e for e in ends if 0 <= e < self.prefill_chunk)
             logits = self.target.forward(start, pieces, keep or [0])  # [n, len(keep), V]
             width = max(len(p) for p in pieces)
-            self.costs.observe_forward(len(group), width, self.target.last_seconds)
-            for b, req in enumerate(group):
-                real = max(0, min(self.prefill_chunk, len(req.prompt_ids) - c))
-                self.target.cache.commit(start + b, real)
-                end = len(req.prompt_ids) - 1 - c
-                if 0 <= end < self.prefill_chunk:
+            self.costs.observe_forward(len(runs), width, self.target.last_seconds)
+            for b, run in enumerate(runs):
+                self.target.cache.commit(start + b, max(0, min(self.prefill_chunk, len(run) - c)))
+                end = len(run) - 1 - c
+                if want[b] and 0 <= end < self.prefill_chunk:
                     last[b] = logits[b, keep.index(end)]
-        seconds = time.perf_counter() - t0
-        for b, row in enumerate(self.rows[start:]):
-            row.stats.prefill_seconds = seconds
-            first = pick(last[b], row.req.sampling, row.generator)  # type: ignore[arg-type]
-            row.first_token_at = time.perf_counter()
-            self._emit(row, [first])
-        self._sweep()
+        return last
+
+    def _reuse_prefix(self, row: Row, prefix: Sequence[int]) -> bool:
+        """Copy a cached prefix's KV into the row's slot; False when it is not cached."""
+        assert self.prefix_cache is not None
+        cached = self.prefix_cache.lookup(prefix)
+        if cached is None:
+            return False
+        self.target.cache.load(row.slot, cached)
+        row.stats.cached_prompt_tokens = len(prefix)
+        return True
+
+    def _store_prefix(self, row: Row) -> None:
+        assert self.prefix_cache is not None
+        prefix = row.req.prompt_ids[: row.req.shared_prefix]
+        self.prefix_cache.store(prefix, self.target.cache.snapshot(row.slot))
 
     def _round(self) -> None:
         rows = self.rows

@@ -156,3 +156,51 @@ def test_row_cache_rolls_rows_back_independently_and_moves_rows():
         cache.move(1, 0)
         assert cache.lengths[:2] == [3, 0]
         assert cache.k[0][0, 0, :3, 0].tolist() == [1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_shared_prefix_is_encoded_once_and_reused_with_the_same_numbers(kind):
+    """Questions about one document: the instruction and document head are encoded on their own
+    the first time, taken from the prefix cache after, and every row still decodes as the
+    target alone; rows with and without a shared prefix share the batch."""
+    from d3d.kv_store import PrefixCache
+
+    model = tiny_model(kind, seed=1)
+    cache = PrefixCache(tag="batch")
+    engine = BatchEngine(model, {model.config.eos_token_id}, None, max_batch=4, prefix_cache=cache)
+    head = list(range(20, 44))
+    prompts = [[*head, 5, 6, 7], [*head, 9, 10], [3, 4, 5, 6], [*head, 11]]
+    out = [Collector() for _ in prompts]
+
+    def request(i: int) -> GenRequest:
+        req = out[i].request(prompts[i], 12, "ar")
+        req.shared_prefix = len(head) if prompts[i][: len(head)] == head else 0
+        return req
+
+    engine.add(request(0))
+    engine.add(request(2))  # no shared prefix, in the same prefill group
+    engine.step()
+    engine.add(request(1))
+    engine.add(request(3))
+    while not engine.idle:
+        engine.step()
+    for i, c in enumerate(out):
+        assert c.error is None
+        assert c.tokens == greedy_continuation(model, prompts[i], len(c.tokens)), f"row {i}"
+    assert [c.stats.cached_prompt_tokens for c in out] == [0, len(head), 0, len(head)]
+    assert len(cache) == 1 and cache.stats()["hits"] == 2
+    # the reused KV is exactly what encoding the prefix on its own gives
+    alone = BatchEngine(model, {model.config.eos_token_id}, None, prefix_cache=PrefixCache())
+    solo = Collector()
+    req = solo.request(prompts[1], 12, "ar")
+    req.shared_prefix = len(head)
+    alone.add(req)
+    while not alone.idle:
+        alone.step()
+    assert solo.tokens == out[1].tokens and solo.stats.cached_prompt_tokens == 0
+    stored = cache.lookup(head)
+    assert stored is not None and stored.get_seq_length() == len(head)
+    with torch.inference_mode():
+        ref = model(torch.tensor([head]), use_cache=True).past_key_values
+    for a, b in zip(stored.layers, ref.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
