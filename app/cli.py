@@ -28,6 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         request_timeout=args.request_timeout,
         served_model_name=args.served_model_name,
+        doc_cache_dir=args.doc_cache_dir,
     )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -70,5 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds (300)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
+    p.add_argument(
+        "--doc-cache-dir",
+        default=None,
+        help="keep each document's reading on disk too (D3D_DOC_CACHE_DIR; default memory only)",
+    )
     add_model_args(p)
     p.set_defaults(func=cmd_serve)

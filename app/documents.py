@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from compression.compressor import DEFAULT_SCORER, SCORERS
+from compression.doc_cache import DocumentCache
 from compression.qa import DocumentQA
 
 __all__ = ["DEFAULT_SCORER", "DocumentTooLarge", "Documents", "PreparedDocument", "scorers"]
@@ -60,9 +61,10 @@ def kept_spans(offsets: Sequence[tuple[int, int]], kept: Sequence[int]) -> list[
 class Documents:
     """Document QA prompts for one engine (see the module docstring)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, cache_dir: str | None = None):
         self.engine = engine
-        self.qa = DocumentQA(engine)
+        cache = DocumentCache(directory=cache_dir) if cache_dir else None
+        self.qa = DocumentQA(engine, cache=cache)
 
     def prepare(
         self,

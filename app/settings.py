@@ -4,7 +4,7 @@ Model settings are the library's own :class:`d3d.config.ModelConfig` (``D3D_TARG
 ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``, ``D3D_DTYPE``, ``D3D_THREADS``);
 the service adds ``D3D_HOST``, ``D3D_PORT``, ``D3D_MAX_QUEUE``, ``D3D_MAX_BATCH``,
 ``D3D_MAX_DOCUMENT_TOKENS``, ``D3D_API_KEY``, ``D3D_REQUEST_TIMEOUT`` and
-``D3D_SERVED_MODEL_NAME``. Explicit values (flags) win over the environment.
+``D3D_SERVED_MODEL_NAME`` and ``D3D_DOC_CACHE_DIR``. Explicit values (flags) win over the environment.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ ENV = {
     "api_key": ("D3D_API_KEY", str),
     "request_timeout": ("D3D_REQUEST_TIMEOUT", float),
     "served_model_name": ("D3D_SERVED_MODEL_NAME", str),
+    "doc_cache_dir": ("D3D_DOC_CACHE_DIR", str),
 }
 
 
@@ -40,6 +41,7 @@ class ServeSettings:
     api_key: str | None = None
     request_timeout: float = 300.0
     served_model_name: str | None = None
+    doc_cache_dir: str | None = None  # the document cache's disk tier (None: memory only)
     warmup: bool = True
 
     def __post_init__(self) -> None:

@@ -45,8 +45,9 @@ class Models:
     """What a job's ``prepare`` may use on the worker thread: the engine, and the document
     compressors (built on first use, then shared by every request)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, doc_cache_dir: str | None = None):
         self.engine = engine
+        self.doc_cache_dir = doc_cache_dir
         self._documents = None
 
     @property
@@ -54,7 +55,7 @@ class Models:
         if self._documents is None:
             from app.documents import Documents
 
-            self._documents = Documents(self.engine)
+            self._documents = Documents(self.engine, self.doc_cache_dir)
         return self._documents
 
 
@@ -157,7 +158,7 @@ class EngineWorker:
     def _load(self) -> None:
         t0 = time.perf_counter()
         engine = self.engine = self.engine_factory(self.settings)
-        self.models = Models(engine)
+        self.models = Models(engine, self.settings.doc_cache_dir)
         # The event loop decodes text with its own copy: a Rust tokenizer borrowed by the worker
         # thread (encoding) cannot be used from another thread at the same moment.
         self.detokenizer = copy.deepcopy(engine.tokenizer)

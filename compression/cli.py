@@ -5,18 +5,21 @@
 times: the questions share one :class:`~compression.qa.DocumentQA`, so the document is read
 once. Bad input (missing or empty file, keep ratio outside (0, 1], unknown scorer) is a
 ``ValueError`` or ``FileNotFoundError``, which ``d3d`` prints as one line with exit code 2,
-before any model loads.
+before any model loads. ``--doc-cache-dir`` keeps the reader's pass on disk, so the next
+``d3d qa`` about the same document skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from compression.compressor import DEFAULT_SCORER, SCORERS, CompressionConfig, attention_preset
+from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import AttentionScoring
 from compression.qa import QA_TEMPLATE, DocumentQA
 from compression.selection import GRANULARITIES
@@ -136,7 +139,8 @@ def document_qa(args: argparse.Namespace, with_drafter: bool = True) -> Document
     ccfg = compression_config(args, mcfg.target)  # fails on bad flags before loading
     engine = Engine.from_config(mcfg, with_drafter=with_drafter)
     ccfg = compression_config(args, mcfg.target, drafter=engine.drafter)
-    return DocumentQA(engine, ccfg, template=args.template, target_spec=mcfg.target)
+    cache = DocumentCache(directory=args.doc_cache_dir) if args.doc_cache_dir else None
+    return DocumentQA(engine, ccfg, cache, template=args.template, target_spec=mcfg.target)
 
 
 def _check_questions(args: argparse.Namespace) -> list[str]:
@@ -193,6 +197,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--template", default=QA_TEMPLATE, help="prompt with {context} and {input}")
     p.add_argument("--json", action="store_true", help="print one JSON object per question")
+    p.add_argument(
+        "--doc-cache-dir",
+        default=os.environ.get("D3D_DOC_CACHE_DIR") or None,
+        help="keep the reader's pass over each document in this folder too, so a later run "
+        "skips it (default: $D3D_DOC_CACHE_DIR; unset: memory only)",
+    )
     add_model_args(p)
     add_compression_args(p)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,22 @@ def _quantize(model: D3DDrafter) -> None:
         quantize_dynamic(model.lm.model.layers, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
+def weights_id(
+    layers: Sequence[torch.nn.Module], mask_embedding: torch.Tensor, depth: int | None
+) -> str:
+    """A reader's identity across processes (document-cache keys on disk): a hash of the first
+    and the last reading layers' weights and of the mask embedding (tens of MB, once)."""
+    n = len(layers) if depth is None else min(depth, len(layers))
+    h = hashlib.sha256(f"{n}".encode())
+    for layer in {0: layers[0], n - 1: layers[n - 1]}.values():
+        for name, t in sorted(layer.state_dict().items()):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                h.update(name.encode())
+                h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    h.update(mask_embedding.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def scoring_model(
     source: PreTrainedModel,
     layers: int | None,
@@ -185,9 +202,8 @@ class DrafterAttentionScorer:
             raise ValueError(
                 f"score layers ({cfg.layers}) exceed the reader's {len(source.model.layers)} layers"
             )
-        self._setup(
-            scoring_model(source, cfg.layers, cfg.quantize, block_size, mask_embedding), cfg
-        )
+        model = scoring_model(source, cfg.layers, cfg.quantize, block_size, mask_embedding)
+        self._setup(model, cfg, weights_id(source.model.layers, model.mask_embedding, cfg.depth))
 
     @classmethod
     def from_drafter(
@@ -199,12 +215,14 @@ class DrafterAttentionScorer:
         if (cfg.depth or n) > n:
             raise ValueError(f"score layers ({cfg.depth}) exceed the drafter's {n} layers")
         self = cls.__new__(cls)
-        self._setup(quantized_copy(drafter) if cfg.quantize else drafter, cfg)
+        identity = weights_id(drafter.lm.model.layers, drafter.mask_embedding, cfg.depth)
+        self._setup(quantized_copy(drafter) if cfg.quantize else drafter, cfg, identity)
         return self
 
-    def _setup(self, model: D3DDrafter, cfg: AttentionScoring) -> None:
+    def _setup(self, model: D3DDrafter, cfg: AttentionScoring, identity: str = "") -> None:
         self.model = model
         self.cfg = cfg
+        self.identity = identity or str(id(model))
         n = len(model.lm.model.layers)
         self.depth = min(cfg.depth or n, n)
         self.layers = sorted({i for i, _ in cfg.heads}) if cfg.heads else list(range(self.depth))
@@ -300,7 +318,7 @@ class DrafterAttentionScorer:
     # ----- whole documents ----------------------------------------------------------------
     def reading_key(self, parts: PromptParts) -> str:
         c = self.cfg
-        tag = f"{id(self.model)}|{self.depth}|{c.window}|{c.quantize}|{c.lookahead}"
+        tag = f"{self.identity}|{self.depth}|{c.window}|{c.quantize}|{c.lookahead}"
         return content_key(tag, parts.prefix, parts.context)
 
     @property

@@ -173,8 +173,10 @@ class DocumentQA:
             log.exception("encoding the document head ahead of the answer failed")
 
     def forget(self) -> None:
-        """Empty the document cache and the target's prefix cache (a cold first question)."""
+        """Empty the document cache (both tiers) and the target's prefix cache (a cold first
+        question)."""
         self.cache.clear()
+        self.cache.clear_disk()
         self.engine.prefix_cache.clear()
 
     def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:

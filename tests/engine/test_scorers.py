@@ -309,3 +309,28 @@ def test_the_document_pass_stops_once_the_last_layer_has_cached_its_keys():
     assert cache.get_seq_length() == len(parts.prefix) + len(parts.context)
     scorer.query(cache, parts.suffix, len(parts.prefix))
     assert ran == [0, 0, 1]
+
+
+def test_a_reading_on_disk_serves_a_new_reader_with_the_same_weights_only(tmp_path):
+    from compression.doc_cache import DocumentCache
+
+    parts = sample_parts(120)
+    cfg = AttentionScoring(lookahead=False, window=64, quantize=True, heads=((1, 0),))
+
+    def reader(seed: int) -> DrafterAttentionScorer:
+        drafter = D3DDrafter.from_target(shared_tiny_model("llama", seed=seed, vocab=VOCAB), 2)
+        scorer = DrafterAttentionScorer.from_drafter(drafter, cfg)
+        scorer.cache = DocumentCache(directory=tmp_path)
+        return scorer
+
+    first = reader(0)
+    expected = first.score(parts)
+    first.cache.flush()
+    again = reader(0)  # a later process: another int8 copy of the same weights
+    assert again.identity == first.identity and again.model is not first.model
+    assert torch.equal(again.score(parts), expected)
+    assert again.cache.stats()["disk_hits"] == 1
+    other = reader(1)  # other weights: its own key, so it reads the document itself
+    assert other.identity != first.identity
+    other.score(parts)
+    assert other.cache.stats()["disk_hits"] == 0

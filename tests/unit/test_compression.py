@@ -325,3 +325,43 @@ def test_the_document_head_is_kept_first_for_any_question():
     assert head_units([Chunk(0, 5), Chunk(5, 9), Chunk(9, 20)], 9) == 2
     with pytest.raises(ValueError):
         CompressionConfig(head=1.0)
+
+
+def test_document_cache_disk_tier_serves_a_later_process_and_stays_bounded(tmp_path):
+    from transformers import DynamicCache
+
+    def reading(key: str, tokens: int, seed: int = 0) -> DocumentReading:
+        g = torch.Generator().manual_seed(seed)
+        cache = DynamicCache()
+        for layer in range(2):
+            k, v = (
+                torch.randn(1, 2, tokens, 4, generator=g),
+                torch.randn(1, 2, tokens, 4, generator=g),
+            )
+            cache.update(k, v, layer)
+        return DocumentReading(key, (1, 2), tuple(range(tokens)), (WindowCache(0, tokens, cache),))
+
+    first = DocumentCache(directory=tmp_path)
+    a = reading("a", 8)
+    first.put(a)
+    first.flush()
+    assert (tmp_path / "a.pt").is_file() and not list(tmp_path.glob("*.tmp"))
+    later = DocumentCache(directory=tmp_path)  # a new process: nothing in memory
+    got = later.get("a")
+    assert got is not None and later.stats()["disk_hits"] == 1
+    assert got.prefix == a.prefix and got.context == a.context
+    for x, y in zip(got.windows[0].cache.layers, a.windows[0].cache.layers, strict=True):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+    assert later.get("a") is got  # now from memory
+    assert later.get("missing") is None
+    (tmp_path / "bad.pt").write_bytes(b"not a torch file")
+    assert later.get("bad") is None  # a damaged file is ignored, not fatal
+    per = (tmp_path / "a.pt").stat().st_size
+    small = DocumentCache(directory=tmp_path / "small", max_disk_bytes=int(2.5 * per))
+    for i, key in enumerate("bcde"):
+        small.put(reading(key, 8, seed=i))
+        small.flush()
+    assert sorted(p.stem for p in (tmp_path / "small").glob("*.pt")) == ["d", "e"]
+    small.clear()
+    small.clear_disk()
+    assert small.get("e") is None and not list((tmp_path / "small").glob("*.pt"))
