@@ -231,36 +231,63 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def plot(table: Sequence[Row], path: Path) -> None:
-    """Score against mean end-to-end seconds, one line per scorer (full prompt as a star).
+def _complete(table: Sequence[Row]) -> list[Row]:
+    """The settings run on every item (so all points average the same items)."""
+    n_all = max((r.n for r in table), default=0)
+    return [r for r in table if r.n == n_all]
 
-    Only settings run on every item are drawn, so all points average the same items (a partial
-    run's other settings stay in the table with their n).
+
+def plot(table: Sequence[Row], path: Path, panels: dict[str, Sequence[Row]] | None = None) -> None:
+    """Score against mean end-to-end seconds, one line per scorer and mode (full prompt as a
+    star), one panel per item source (``panels``: title -> its rows; else all items), and the
+    share of items whose evidence was kept against the keep ratio.
+
+    Only settings run on every item of a panel are drawn (a partial run's other settings stay
+    in the table with their n).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n_all = max((r.n for r in table), default=0)
-    table = [r for r in table if r.n == n_all]
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in sorted({r.mode for r in table}):
-        full = [r for r in table if r.scorer == FULL and r.mode == mode]
-        for scorer in sorted({r.scorer for r in table} - {FULL}):
-            pts = sorted((r.seconds, r.score.value, r.keep_ratio) for r in table if r.scorer == scorer and r.mode == mode)  # fmt: skip
-            if pts:
-                ax.plot(
-                    [p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{scorer} ({mode})"
+    panels = dict(panels or {"all items": table})
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(6.2 * (len(panels) + 1), 4.6))
+    colours: dict[str, str] = {}
+    for ax, (title, sub) in zip(axes, panels.items(), strict=False):
+        sub = _complete(sub)
+        n = max((r.n for r in sub), default=0)
+        for mode in sorted({r.mode for r in sub}):
+            for scorer in sorted({r.scorer for r in sub} - {FULL}):
+                pts = sorted((r.seconds, r.score.value, r.keep_ratio) for r in sub if r.scorer == scorer and r.mode == mode)  # fmt: skip
+                if not pts:
+                    continue
+                (line,) = ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    label=f"{scorer} ({mode})",
+                    color=colours.get(f"{scorer} ({mode})"),
                 )
+                colours[f"{scorer} ({mode})"] = line.get_color()
                 for x, y, k in pts:
                     ax.annotate(f"{k:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")  # fmt: skip
-        for r in full:
-            ax.plot([r.seconds], [r.score.value], marker="*", markersize=14, color="black", linestyle="", label=f"full prompt ({mode})")  # fmt: skip
-    ax.set_xlabel("mean end-to-end seconds per item (tokenize + compress + prefill + decode)")
-    ax.set_ylabel("score (100 x mean item score)")
-    ax.set_title(f"Score vs latency by keep ratio (labels), {n_all} items")
+            for r in (r for r in sub if r.scorer == FULL and r.mode == mode):
+                ax.plot([r.seconds], [r.score.value], marker="*", markersize=14, color="black", linestyle="", label=f"full prompt ({mode})")  # fmt: skip
+        ax.set_xlabel("mean end-to-end seconds per item")
+        ax.set_ylabel("score (100 x mean item score)")
+        ax.set_title(f"{title} ({n} items): score vs latency, labels = keep ratio", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    rows_all = _complete(table)
+    for scorer in sorted({r.scorer for r in rows_all} - {FULL}):
+        pts = sorted((r.keep_ratio, r.evidence_kept) for r in rows_all if r.scorer == scorer and r.evidence_kept is not None)  # fmt: skip
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=scorer)
+    ax.set_xscale("log")
+    ax.set_xlabel("keep ratio")
+    ax.set_ylabel("items whose evidence was kept whole (%)")
+    ax.set_title("Evidence recall (items whose context holds the evidence)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -304,5 +331,6 @@ def write_report(records: Sequence[dict], out: Path, n_boot: int = 2000, png: bo
         w.writerows(records)
     (out / "results.md").write_text(markdown(table, h2h, datasets, n_items, speed, by_source))
     if png and table:
-        plot(table, out / "results.png")
+        panels = {f"{k}": v[0] for k, v in by_source.items()} or {"all items": table}
+        plot(table, out / "results.png", panels)
     return summary
