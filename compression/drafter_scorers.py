@@ -132,15 +132,21 @@ def weights_id(
     layers: Sequence[torch.nn.Module], mask_embedding: torch.Tensor, depth: int | None
 ) -> str:
     """A reader's identity across processes (document-cache keys on disk): a hash of the first
-    and the last reading layers' weights and of the mask embedding (tens of MB, once)."""
+    and the last reading layers' weights (every tensor's shape and up to 4,096 evenly spaced
+    values of it, so a large model on a GPU costs no copy of its layers) and the mask embedding."""
     n = len(layers) if depth is None else min(depth, len(layers))
     h = hashlib.sha256(f"{n}".encode())
-    for layer in {0: layers[0], n - 1: layers[n - 1]}.values():
-        for name, t in sorted(layer.state_dict().items()):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                h.update(name.encode())
-                h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-    h.update(mask_embedding.detach().float().cpu().numpy().tobytes())
+    tensors = [
+        (name, t)
+        for layer in {0: layers[0], n - 1: layers[n - 1]}.values()
+        for name, t in sorted(layer.state_dict().items())
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    for name, t in [*tensors, ("mask", mask_embedding)]:
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
+        h.update(f"{name}{tuple(t.shape)}".encode())
+        h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
 
 
