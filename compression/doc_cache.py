@@ -130,6 +130,10 @@ class DocumentCache(BoundedLru[DocumentReading]):
         assert self.directory is not None
         return self.directory / f"{key}.pt"
 
+    def __contains__(self, key: str) -> bool:
+        on_disk = self.directory is not None and self._path(key).is_file()
+        return super().__contains__(key) or on_disk
+
     def get(self, key: str) -> DocumentReading | None:
         hit = super().get(key)
         if hit is not None or self.directory is None:

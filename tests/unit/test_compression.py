@@ -347,6 +347,7 @@ def test_document_cache_disk_tier_serves_a_later_process_and_stays_bounded(tmp_p
     first.flush()
     assert (tmp_path / "a.pt").is_file() and not list(tmp_path.glob("*.tmp"))
     later = DocumentCache(directory=tmp_path)  # a new process: nothing in memory
+    assert "a" in later and "b" not in later
     got = later.get("a")
     assert got is not None and later.stats()["disk_hits"] == 1
     assert got.prefix == a.prefix and got.context == a.context
