@@ -156,16 +156,22 @@ class DocumentCache(BoundedLru[DocumentReading]):
     def put(self, reading: DocumentReading) -> None:
         self.put_sized(reading.key, reading, reading.nbytes)
         if self.directory is not None and not self._path(reading.key).is_file():
-            # Not a daemon: a process that ends right after its answer still finishes the file.
-            t = threading.Thread(target=self._write, args=(reading,), name="doc-cache-write")
+            # The state is taken here, not in the thread: query passes append to a window's cache
+            # and crop it again (new tensors each time, never in place), so the references taken
+            # now stay the document pass while the file is written. Not a daemon: a process that
+            # ends right after its answer still finishes the file.
+            state = reading.to_state()
+            t = threading.Thread(
+                target=self._write, args=(reading.key, state), name="doc-cache-write"
+            )
             self._writes = [w for w in self._writes if w.is_alive()] + [t]
             t.start()
 
-    def _write(self, reading: DocumentReading) -> None:
-        path = self._path(reading.key)
+    def _write(self, key: str, state: dict) -> None:
+        path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            torch.save(reading.to_state(), tmp)
+            torch.save(state, tmp)
             os.replace(tmp, path)
             self._trim()
         except OSError:

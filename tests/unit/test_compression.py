@@ -366,3 +366,31 @@ def test_document_cache_disk_tier_serves_a_later_process_and_stays_bounded(tmp_p
     small.clear()
     small.clear_disk()
     assert small.get("e") is None and not list((tmp_path / "small").glob("*.pt"))
+
+
+def test_a_disk_write_keeps_the_reading_as_put_while_queries_use_its_cache(tmp_path, monkeypatch):
+    """Query passes append to a window's cache and crop it again while the file is still being
+    written (a slow disk here): the file holds the document pass as it was put, every layer the
+    same length."""
+    import threading
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), layer)
+    reading = DocumentReading("r", (1,), tuple(range(8)), (WindowCache(0, 8, cache),))
+    expected = [layer.keys.clone() for layer in cache.layers]
+    go, write = threading.Event(), DocumentCache._write
+    monkeypatch.setattr(DocumentCache, "_write", lambda *a: (go.wait(5), write(*a)))
+    store = DocumentCache(directory=tmp_path)
+    store.put(reading)
+    for layer in range(2):  # a query pass: one more position on each layer, the file unwritten
+        cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), layer)
+    go.set()
+    store.flush()
+    cache.crop(-3)
+    got = DocumentCache(directory=tmp_path).get("r")
+    assert got is not None
+    for x, y in zip(got.windows[0].cache.layers, expected, strict=True):
+        assert torch.equal(x.keys, y)
