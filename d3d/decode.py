@@ -173,7 +173,8 @@ class Proposer(Protocol):
     def propose(self, tokens: list[int]) -> Proposal: ...
 
     def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
-        """Round done: ``acc`` committed, the target took ``verify_s``. ``next_len``: how many
+        """Round done: ``acc`` committed, the target took ``verify_s`` (round 0, the prefill:
+        the time for the whole prompt, a cached prefix priced like the rest). ``next_len``: how many
         drafts the next round will verify (None: a whole block; 0: none), which an adaptive
         proposer sets and a worker uses to prepare only what will be used."""
         ...
@@ -313,7 +314,12 @@ def decode(
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
         stats.cached_prompt_tokens = target.reused
-        proposer.observe(Acceptance(num_accepted=0, tokens=[first]), t1 - t0)
+        # Round 0 reports the whole prompt's prefill, a cached prefix priced at the rate of the
+        # tokens encoded now, so proposers read a cost per prompt token from it.
+        encoded = max(len(prompt_ids) - target.reused, 1)
+        proposer.observe(
+            Acceptance(num_accepted=0, tokens=[first]), (t1 - t0) * len(prompt_ids) / encoded
+        )
 
         tokens = list(prompt_ids)
         emitted, reason = _clip([first], eos_ids, cfg.max_new_tokens)

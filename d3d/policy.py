@@ -37,9 +37,14 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
   request's first speculative round). :class:`AutoProposer` prices that catch-up at the
   target's measured prefill cost per token and starts no speculative run (a probe, or the
   host's first measurement) whose catch-up alone exceeds ``max_saving`` (one half) of the plain
-  decoding the request's remaining token budget would take: even speculation that halved the
-  rest could not pay it back. A short answer after a long prompt (document QA) then never
-  speculates, and a deferred probe waits for a request with room for it.
+  decoding the request's remaining tokens would take: even speculation that halved the rest
+  could not pay it back. The remaining tokens are what the budget leaves, but no more than the
+  host's typical answer (a moving average of its requests' lengths) still leaves, or than the
+  request has produced so far when that is more (a request as long as its past is expected to
+  go on as long again; with no past, a fresh process). A short answer after a long prompt
+  (document QA) then never speculates, whatever its budget, and a deferred probe waits for a
+  request with room for it. The prefill's cost per token is read with a cached prompt prefix
+  priced like the rest (the decode loop reports round 0 that way).
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class HostCosts:
     since_probe: int = 0
     wait_from_cold: bool = False  # t_wait so far comes from a cold first round only
     read_s: Ema = field(default_factory=lambda: Ema(0.2))  # target prefill s per prompt token
+    answer_len: Ema = field(default_factory=lambda: Ema(0.2))  # tokens per finished request
 
 
 @dataclass
@@ -265,6 +271,7 @@ class AutoProposer:
     ) -> None:
         self.policy = SpeculationPolicy(self.host, max_len=self.max_len)
         self.produced = 0
+        self.target_len = len(prompt_ids)
         self.prompt_len = len(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
         self.unread = self.prompt_len  # what the drafter has to read before its first block
         self.next_len = self.policy.next_len()
@@ -284,8 +291,8 @@ class AutoProposer:
     def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
         cur = self.current
         self.produced += len(acc.tokens)
-        if cur is None:  # round 0: the prefill
-            self.host.read_s.add(verify_s / max(self.prompt_len, 1))
+        if cur is None:  # round 0: the prefill (of the target's prompt, not the drafter's)
+            self.host.read_s.add(verify_s / max(self.target_len, 1))
         if cur is not None:  # round 0 (the prefill) has no proposal
             spec = cur.k > 0
             self.policy.record(
@@ -317,12 +324,21 @@ class AutoProposer:
         step, read = self.host.step_s.value, self.host.read_s.value
         if self.budget is None or read is None or step is None:
             return True
-        left = self.budget - self.produced
-        return self.unread * self.read_cost * read <= self.max_saving * left * step
+        return self.unread * self.read_cost * read <= self.max_saving * self.expected_left() * step
+
+    def expected_left(self) -> int:
+        """Tokens this request is expected still to produce (see the module docstring)."""
+        assert self.budget is not None
+        typical = self.host.answer_len.value or 0.0
+        return max(
+            0, min(self.budget - self.produced, max(self.produced, int(typical) - self.produced))
+        )
 
     def _switch(self, speculating: bool) -> None:
         if self.on_switch is not None:
             self.on_switch(speculating)
 
     def close(self) -> None:
+        if self.produced > 0:
+            self.host.answer_len.add(self.produced)
         self.spec.close()

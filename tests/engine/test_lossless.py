@@ -144,3 +144,23 @@ def test_a_prefix_from_the_prefix_cache_gives_plain_greedy_decoding(tiny_target,
         assert [t for chunk in out for t in chunk] == want
         assert stats.cached_prompt_tokens == reused
     assert len(cache) == 1 and cache.stats()["hits"] == 1
+
+
+def test_the_prefill_round_prices_a_cached_prefix_like_the_rest(tiny_target):
+    """Round 0 tells proposers the whole prompt's prefill, the cached prefix priced at the rate
+    of the tokens encoded, so a cost per prompt token read from it does not fall with the
+    cache (auto's catch-up rule prices the drafter's reading with it)."""
+    from d3d.kv_store import PrefixCache
+
+    class Recording(ArProposer):
+        def observe(self, acc, verify_s, next_len=None):
+            self.seen = [*getattr(self, "seen", []), verify_s]
+
+    prompt, cache = list(range(2, 42)), PrefixCache()
+    cfg = DecodeConfig(mode="ar", max_new_tokens=3)
+    for reused in (0, 30):
+        stats, proposer = DecodeStats(mode="ar"), Recording()
+        list(decode(tiny_target, proposer, prompt, cfg, NO_EOS, stats, None, 30, cache))
+        assert stats.cached_prompt_tokens == reused
+        scale = len(prompt) / (len(prompt) - reused)
+        assert proposer.seen[0] == pytest.approx(stats.prefill_seconds * scale, rel=1e-3, abs=1e-4)

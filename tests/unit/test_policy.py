@@ -185,12 +185,20 @@ def _paying_host() -> HostCosts:
     return host
 
 
-@pytest.mark.parametrize("budget, speculates", [(24, False), (512, True), (None, True)])
-def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(budget, speculates):
+@pytest.mark.parametrize(
+    "budget, typical, starts_at",
+    [(24, None, None), (512, None, 106), (512, 400.0, 2), (512, 30.0, 106), (None, None, 2)],
+)
+def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(
+    budget, typical, starts_at
+):
     """A measuring step first (the host has no step time), then a drafter that has read none of
-    a 2,000-token prompt: at a prefill cost of 1 ms per token its catch-up (2 s) exceeds half of
-    the plain decoding 23 tokens would take, so a short answer stays plain; 511 tokens left (or
-    no budget) leave room for it."""
+    a 2,000-token prompt: at a prefill cost of 1 ms per token its catch-up (2 s + 1 ms per token
+    produced) pays back only if half the plain decoding of the tokens still to come covers it,
+    i.e. 100+ of them. What is still to come: what the budget leaves, no more than the host's
+    typical answer leaves, or than the request has produced so far when that is more. A fresh
+    host (no typical answer) or one of short answers speculates from token 106 of a 512-token
+    budget, one of 400-token answers at once, a 24-token budget never, no budget at once."""
     import torch
 
     from d3d.decode import NO_DRAFT, Proposal
@@ -212,6 +220,7 @@ def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(bu
 
     host = _paying_host()
     host.step_s.value = None  # this engine's first request: one plain step is measured first
+    host.answer_len.value = typical
     spec = Spec()
     auto = AutoProposer(spec, host, budget=budget)
     auto.start(list(range(2000)), None, None)
@@ -219,17 +228,19 @@ def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(bu
     auto.observe(Acceptance(0, [7]), 2.0)  # the prefill: 1 ms per prompt token
     assert auto.propose([]) is NO_DRAFT
     auto.observe(Acceptance(0, [8]), STEP)
-    assert (auto.next_len > 0) is speculates
-    if not speculates:
-        for _ in range(20):
-            assert auto.propose([]).k == 0
-            auto.observe(Acceptance(0, [9]), STEP)
+    while auto.next_len == 0 and auto.produced < (budget or 300):
+        assert auto.propose([]).k == 0
+        auto.observe(Acceptance(0, [9]), STEP)
+    assert (auto.produced if auto.next_len > 0 else None) == starts_at
+    auto.close()
+    assert host.answer_len.value is not None  # the request's length is the host's now
 
 
 def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_plain():
     """The host's drafter pays and its prefill cost per token is known from earlier requests:
     a 24-token answer to a 2,000-token prompt starts plain (the drafter need not read the
-    prompt), a 512-token one speculates from the first round."""
+    prompt), a 512-token one speculates from the first round, unless the host's answers are
+    typically short (then the budget is no guide: it starts plain too)."""
     import torch
 
     from d3d.decode import Proposal
@@ -242,9 +253,10 @@ def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_pla
         def propose(self, tokens):
             return Proposal(torch.arange(15))
 
-    host = _paying_host()
-    host.read_s.add(0.001)
-    for budget, first_len in ((24, 0), (512, 15)):
+    for typical, budget, first_len in ((512, 24, 0), (512, 512, 15), (24, 512, 0)):
+        host = _paying_host()
+        host.read_s.add(0.001)
+        host.answer_len.add(typical)
         spec = Spec()
         AutoProposer(spec, host, budget=budget).start(list(range(2000)), None, None)
         assert spec.first_len == first_len
