@@ -330,9 +330,7 @@ class AutoProposer:
         """Tokens this request is expected still to produce (see the module docstring)."""
         assert self.budget is not None
         typical = self.host.answer_len.value or 0.0
-        return max(
-            0, min(self.budget - self.produced, max(self.produced, int(typical) - self.produced))
-        )
+        return min(self.budget - self.produced, max(self.produced, int(typical) - self.produced))
 
     def _switch(self, speculating: bool) -> None:
         if self.on_switch is not None:
