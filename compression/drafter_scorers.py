@@ -23,7 +23,7 @@ differently at mask slots (adapters) reads the look-ahead block as it drafts.
 Contexts longer than ``window`` (default: the reader's position limit) are read in windows, each
 after the same prefix and followed by the same query, from position 0; windows also make the
 document pass linear in length. Windows are independent, so they are read side by side on the
-cores torch leaves idle (:mod:`compression.reading`; the same numbers as one after another).
+cores, one torch thread each (:mod:`compression.reading`; the same numbers as one after another).
 
 ``drafter-ppl`` (LLMLingua-style self-information): the drafter's own next-token loss on each
 context token, -log q(x_i | x_<i), read in the same windows; question-agnostic.
@@ -69,7 +69,7 @@ class AttentionScoring:
     """Settings of the drafter-attention scorer.
 
     ``reader``: the drafter itself, or the target's first ``layers`` layers.
-    ``workers``: windows read at once (None: the cores torch's thread pool leaves idle).
+    ``workers``: windows read at once (None: one per core, one torch thread each).
     ``layers``: how deep the document pass goes (early exit; None: down to the deepest chosen
     head, or the whole reader). ``heads``: (layer, head) pairs to use instead of reducing over
     all layers and heads.
@@ -184,9 +184,32 @@ def _reduce(x: torch.Tensor, how: str, dim: int) -> torch.Tensor:
     return x.amax(dim=dim) if how == "max" else x.mean(dim=dim)
 
 
+QUERY_RESERVE = 512  # positions kept for the query after a window that fills the reader's limit
+
+
+def _positions(model: D3DDrafter) -> int:
+    return int(getattr(model.lm.config, "max_position_embeddings", 8192))
+
+
 def _window_size(model: D3DDrafter, parts: PromptParts, extra: int, window: int | None) -> int:
-    limit = window or int(getattr(model.lm.config, "max_position_embeddings", 8192))
-    return limit - len(parts.prefix) - len(parts.suffix) - extra
+    """Context tokens per window. The same for every question about a document (a reading is
+    cached per document, and scores must not depend on which question read it first):
+    ``window`` tokens of prefix and context, the query placed after them; without ``window``,
+    the reader's position limit less the prefix, the look-ahead block and a fixed reserve for
+    the query."""
+    if window is not None:
+        return window - len(parts.prefix)
+    limit = _positions(model)
+    return limit - len(parts.prefix) - extra - min(QUERY_RESERVE, limit // 4)
+
+
+def _check_query_fits(model: D3DDrafter, parts: PromptParts, size: int, extra: int) -> None:
+    need = len(parts.prefix) + size + len(parts.suffix) + extra
+    if need > _positions(model):
+        raise ValueError(
+            f"the question ({len(parts.suffix)} tokens with the instruction's tail) does not fit "
+            f"after a scoring window: {need} positions, the reader has {_positions(model)}"
+        )
 
 
 class DrafterAttentionScorer:
@@ -337,8 +360,7 @@ class DrafterAttentionScorer:
         key = self.reading_key(parts)
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             return hit
-        extra = self.model.block_size - 1 if self.cfg.lookahead else 0
-        size = _window_size(self.model, parts, extra, self.cfg.window)
+        size = _window_size(self.model, parts, self._extra, self.cfg.window)
         spans = [(s, e) for s, e in windows(len(parts.context), size) if e > s]
         caches = parallel_map(
             lambda span: self.read_window(parts.prefix, parts.context[span[0] : span[1]]),
@@ -352,8 +374,15 @@ class DrafterAttentionScorer:
             self.cache.put(reading)
         return reading
 
+    @property
+    def _extra(self) -> int:
+        """Positions of the look-ahead block after the query."""
+        return self.model.block_size - 1 if self.cfg.lookahead else 0
+
     def score(self, parts: PromptParts, units: Sequence[Chunk] = ()) -> torch.Tensor:
         reading = self.read(parts)
+        longest = max((w.end - w.start for w in reading.windows), default=0)
+        _check_query_fits(self.model, parts, longest, self._extra)
         p = len(parts.prefix)
         # Adapters gate rows through state on the module: query passes that feed mask slots
         # (the look-ahead block) through an adapter drafter must run one at a time.
@@ -407,7 +436,8 @@ class DrafterPerplexityScorer:
         return out
 
     def score(self, parts: PromptParts, units: Sequence[Chunk] = ()) -> torch.Tensor:
-        size = _window_size(self.model, parts, 0, self.window)
+        # No query follows a window here: the prefix and the document fill the limit.
+        size = (self.window or _positions(self.model)) - len(parts.prefix)
         out = [
             self._self_information(parts, s, e)
             for s, e in windows(len(parts.context), size)

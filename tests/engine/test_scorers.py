@@ -98,7 +98,7 @@ def test_long_context_is_scored_in_windows():
     parts = sample_parts(300)
     cfg = AttentionScoring(layers=2, lookahead=False, window=128)
     scorer = DrafterAttentionScorer(model, cfg)
-    size = 128 - len(parts.prefix) - len(parts.suffix)
+    size = 128 - len(parts.prefix)  # the question goes after the window, whatever its length
     spans = windows(300, size)
     assert spans[0] == (0, size) and spans[-1][1] == 300
     scores = scorer.score(parts)
@@ -138,18 +138,23 @@ def test_windows_read_side_by_side_give_the_numbers_of_one_after_another(quantiz
     assert torch.equal(side.score(parts), expected)  # from the document cache, queries in threads
 
 
-def test_reader_workers_fill_the_cores_torch_leaves_idle(monkeypatch):
+def test_reader_workers_take_one_core_each(monkeypatch):
     from compression import reading
 
     monkeypatch.setattr(reading.os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
-    monkeypatch.setattr(reading.torch, "get_num_threads", lambda: 2)
-    assert reading.reader_workers(torch.device("cpu")) == 2
+    assert reading.reader_workers(torch.device("cpu")) == 4
     assert reading.reader_workers(torch.device("cpu"), requested=3) == 3
     assert reading.reader_workers(torch.device("meta")) == 1  # an accelerator: one stream
-    monkeypatch.setattr(reading.torch, "get_num_threads", lambda: 8)
-    assert reading.reader_workers(torch.device("cpu")) == 1
     with pytest.raises(ValueError, match="workers"):
         AttentionScoring(workers=0)
+
+
+def test_parallel_map_runs_each_worker_on_one_torch_thread():
+    from compression.reading import parallel_map
+
+    before = torch.get_num_threads()
+    seen = parallel_map(lambda _: torch.get_num_threads(), list(range(4)), 2)
+    assert seen == [1, 1, 1, 1] and torch.get_num_threads() == before
 
 
 def test_parallel_map_keeps_order_and_raises_a_worker_error():
@@ -334,3 +339,28 @@ def test_a_reading_on_disk_serves_a_new_reader_with_the_same_weights_only(tmp_pa
     assert other.identity != first.identity
     other.score(parts)
     assert other.cache.stats()["disk_hits"] == 0
+
+
+@pytest.mark.parametrize("window", [128, None])
+def test_a_cached_reading_scores_a_question_as_a_fresh_one_whoever_read_it_first(window):
+    """Windows are cut the same for every question: a question scored on a reading another
+    question (of another length) made gets exactly the scores of a fresh reading."""
+    from compression.doc_cache import DocumentCache
+
+    model = tiny_model(window=512)
+    cfg = AttentionScoring(layers=2, lookahead=False, window=window)
+    scorer = DrafterAttentionScorer(model, cfg)
+    scorer.cache = DocumentCache()
+    base = sample_parts(700)
+    short = PromptParts(base.prefix, base.context, (70, 71))
+    long = PromptParts(base.prefix, base.context, tuple(range(40, 70)))
+    fresh = {}
+    for parts in (short, long):
+        scorer.cache.clear()
+        fresh[parts.suffix] = scorer.score(parts)
+    scorer.cache.clear()
+    scorer.score(long)  # the long question reads the document ...
+    assert torch.equal(scorer.score(short), fresh[short.suffix])  # ... the short one reuses it
+    scorer.cache.clear()
+    scorer.score(short)
+    assert torch.equal(scorer.score(long), fresh[long.suffix])
