@@ -46,6 +46,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="keep float32 CPU linear maps in PyTorch's own layout (default: prepacked for "
+        "oneDNN, faster decode steps, verify forwards and prefill)",
+    )
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -56,6 +62,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         drafter_device=args.drafter_device,
         dtype=args.dtype,
         threads=args.threads,
+        pack=False if getattr(args, "no_pack", False) else None,
     )
 
 
@@ -75,6 +82,11 @@ def add_decode_args(p: argparse.ArgumentParser, default_max: int = 256) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument(
+        "--no-copy",
+        action="store_true",
+        help="auto: never draft by copying the request's own text (prompt lookup)",
+    )
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
@@ -84,6 +96,7 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
         block_size=args.block_size,
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
         chat_template=not args.no_chat_template,
+        copy=not args.no_copy,
     )
 
 

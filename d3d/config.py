@@ -54,6 +54,7 @@ class DecodeConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     chat_template: bool = True
+    copy: bool = True  # auto: verify copies of the request's own text where they pay
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -79,6 +80,7 @@ class ModelConfig:
     drafter_device: str | None = None
     dtype: str = "auto"
     threads: int | None = None
+    pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.packing)
 
     def __post_init__(self) -> None:
         _check(bool(self.target.strip()), "target", "must not be empty")
@@ -99,7 +101,8 @@ class ModelConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
-        ``D3D_DTYPE`` and ``D3D_THREADS``; explicit keyword overrides win when not None."""
+        ``D3D_DTYPE``, ``D3D_THREADS`` and ``D3D_PACK`` (``0``: no prepacked linear maps);
+        explicit keyword overrides win when not None."""
         env = os.environ
         values: dict[str, object] = {
             "target": env.get("D3D_TARGET", "default"),
@@ -108,6 +111,7 @@ class ModelConfig:
             "drafter_device": env.get("D3D_DRAFTER_DEVICE") or None,
             "dtype": env.get("D3D_DTYPE", "auto"),
             "threads": int(env["D3D_THREADS"]) if env.get("D3D_THREADS") else None,
+            "pack": env.get("D3D_PACK", "1").strip().lower() not in ("0", "false", "no", "off"),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

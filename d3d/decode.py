@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -135,6 +135,7 @@ class Proposal:
     hit: bool | None = None
     branches: int = 0
     failed: bool = False  # the drafter worker failed during this round (counted once)
+    source: str = "drafter"  # or "copy": tokens copied from the request's text (d3d.lookup)
 
     @property
     def k(self) -> int:
@@ -145,7 +146,7 @@ class Proposal:
         if n is None or n >= self.k:
             return self
         q = None if self.q is None else self.q[:n]
-        return Proposal(self.tokens[:n], q, self.wait_s, self.hit, self.branches, self.failed)
+        return replace(self, tokens=self.tokens[:n], q=q)
 
 
 NO_DRAFT = Proposal(tokens=torch.zeros(0, dtype=torch.long))
@@ -348,6 +349,7 @@ def decode(
                     proposal.branches,
                     speculative=proposal.k > 0,
                     failed=proposal.failed,
+                    copied=proposal.source == "copy",
                 )
             )
     finally:

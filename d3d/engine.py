@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 
-from d3d.config import DecodeConfig, ModelConfig
+from d3d.config import DEFAULT_BLOCK_SIZE, DecodeConfig, ModelConfig
 from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, TargetSession, decode
 from d3d.drafter import D3DDrafter, DrafterError
 from d3d.kv_store import PrefixCache
+from d3d.lookup import CopyDrafts
 from d3d.models import DEFAULT_SPECS, LoadedModel, ModelLoadError, encode_prompt, load_target
+from d3d.packing import pack_linears
 from d3d.pipeline import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
 from d3d.placement import Placement, PlacementError, parse_cores, resolve_placement
 from d3d.policy import AutoProposer, HostCosts
@@ -114,7 +116,10 @@ class DrafterFactory:
 
     def __call__(self) -> D3DDrafter:
         target = load_target(self.cfg.target, device="cpu", dtype=self.cfg.dtype)
-        return build_drafter(self.cfg.drafter, target, "cpu")
+        drafter = build_drafter(self.cfg.drafter, target, "cpu")
+        if self.cfg.pack:
+            pack_linears(drafter.lm)
+        return drafter
 
 
 def placement_for(cfg: ModelConfig) -> Placement:
@@ -199,11 +204,15 @@ class Engine:
         place = placement_for(cfg)
         early = _launch_process(cfg, place) if with_drafter and start_worker else None
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
+        if cfg.pack:
+            pack_linears(target.model)
         drafter = (
             build_drafter(cfg.drafter, target, cfg.resolved_drafter_device)
             if with_drafter
             else None
         )
+        if drafter is not None and cfg.pack:
+            pack_linears(drafter.lm)
         engine = cls(target, drafter, cfg)
         if early is not None:
             engine._worker, engine._cpu = early
@@ -266,8 +275,9 @@ class Engine:
             self._close_worker()
 
     # ----- decoding ---------------------------------------------------------------------
-    def proposer(self, mode: str, budget: int | None = None) -> Proposer:
-        """The proposer of ``mode`` for one request (``budget``: its max new tokens)."""
+    def proposer(self, mode: str, budget: int | None = None, copy: bool = True) -> Proposer:
+        """The proposer of ``mode`` for one request (``budget``: its max new tokens; ``copy``:
+        auto may verify copies of the request's own text, :mod:`d3d.lookup`)."""
         if mode in ("ar", "sync"):  # both run in this process: every core
             self.cpu_budget(False)
         if mode == "ar":
@@ -292,7 +302,12 @@ class Engine:
             on_switch=self.cpu_budget,
             budget=budget,
             read_cost=self._read_cost(),
+            copies=self._copies() if copy else None,
         )
+
+    def _copies(self) -> CopyDrafts:
+        block = self.drafter.block_size if self.drafter is not None else DEFAULT_BLOCK_SIZE
+        return CopyDrafts(self.host.copy, max_len=block - 1, vocab_size=self.target.vocab_size)
 
     def _read_cost(self) -> float:
         """The drafter's cost of reading a token relative to the target's prefill (depths)."""
@@ -336,7 +351,7 @@ class Engine:
         stats = stats if stats is not None else DecodeStats(mode=cfg.mode)
         return decode(
             self.target.model,
-            self.proposer(cfg.mode, cfg.max_new_tokens),
+            self.proposer(cfg.mode, cfg.max_new_tokens, cfg.copy),
             prompt_ids,
             cfg,
             self.target.eos_token_ids,

@@ -56,6 +56,7 @@ import torch
 
 from d3d.config import SamplingConfig
 from d3d.decode import NO_DRAFT, Proposal, Proposer
+from d3d.lookup import CopyCosts, CopyDraft, CopyDrafts
 from d3d.pipeline.budget import Ema
 from d3d.verify import Acceptance
 
@@ -123,6 +124,7 @@ class HostCosts:
     wait_from_cold: bool = False  # t_wait so far comes from a cold first round only
     read_s: Ema = field(default_factory=lambda: Ema(0.2))  # target prefill s per prompt token
     answer_len: Ema = field(default_factory=lambda: Ema(0.2))  # tokens per finished request
+    copy: CopyCosts = field(default_factory=CopyCosts)  # copy rounds (d3d.lookup)
 
 
 @dataclass
@@ -195,11 +197,7 @@ class SpeculationPolicy:
         h = self.host
         if drafted == 0:
             h.step_s.add(verify_s / max(tokens, 1))
-            if not self.on:
-                h.since_probe += tokens
-                if h.since_probe >= h.probe_interval:
-                    self.probe_left, h.since_probe = self.probe_rounds, 0
-                    self.probe_spent, self.probe_tokens = 0.0, 0
+            self.count_plain(tokens)
             return
         self.spec_rounds += 1
         measuring = not self._known()  # the host's first rounds: a probe of their own
@@ -227,6 +225,16 @@ class SpeculationPolicy:
             if measuring and not self.on and not h.wait_from_cold:
                 h.probe_interval, h.since_probe = self._next_interval(), 0
 
+    def count_plain(self, tokens: int) -> None:
+        """Tokens committed without the drafter (plain steps, copy rounds): they bring the
+        next probe closer while speculation is off."""
+        h = self.host
+        if not self.on:
+            h.since_probe += tokens
+            if h.since_probe >= h.probe_interval:
+                self.probe_left, h.since_probe = self.probe_rounds, 0
+                self.probe_spent, self.probe_tokens = 0.0, 0
+
     def _next_interval(self) -> int:
         """Plain tokens until the next probe after a losing one (see the module docstring)."""
         step = self.host.step_s.value
@@ -236,8 +244,10 @@ class SpeculationPolicy:
 
 
 class AutoProposer:
-    """Speculates through ``spec`` (async or sync) as far as the policy says pays, else proposes
-    nothing (a plain target step). The split of tokens is in the stats (spec/ar tokens)."""
+    """Speculates through ``spec`` (async or sync) as far as the policy says pays; in the rounds
+    it does not, verifies a copy from the request's own text where one pays (``copies``,
+    :mod:`d3d.lookup`), else proposes nothing (a plain target step). The split of tokens is in
+    the stats (spec/ar tokens, copy rounds)."""
 
     name = "auto"
 
@@ -250,6 +260,7 @@ class AutoProposer:
         budget: int | None = None,
         read_cost: float = 1.0,
         max_saving: float = 0.5,
+        copies: CopyDrafts | None = None,
     ):
         """``budget``: the request's token budget (None: unbounded, no catch-up check);
         ``read_cost``: the drafter's cost of reading a token relative to the target's prefill
@@ -261,6 +272,8 @@ class AutoProposer:
         self.budget = budget
         self.read_cost = read_cost
         self.max_saving = max_saving
+        self.copies = copies
+        self.copy: CopyDraft | None = None  # the copy verified this round, if any
 
     def start(
         self,
@@ -270,6 +283,7 @@ class AutoProposer:
         draft_prompt_ids: Sequence[int] | None = None,
     ) -> None:
         self.policy = SpeculationPolicy(self.host, max_len=self.max_len)
+        self.greedy = sampling.greedy
         self.produced = 0
         self.target_len = len(prompt_ids)
         self.prompt_len = len(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
@@ -285,7 +299,16 @@ class AutoProposer:
         self._switch(self.next_len > 0)
 
     def propose(self, tokens: list[int]) -> Proposal:
-        self.current = self.spec.propose(tokens) if self.next_len else NO_DRAFT
+        self.copy = None
+        if self.next_len:
+            self.current = self.spec.propose(tokens)
+        elif self.copies is not None and (
+            copy := self.copies.propose(tokens, self.host.step_s.value, self.greedy)
+        ):
+            self.copy = copy
+            self.current = Proposal(copy.tokens, copy.q, source="copy")
+        else:
+            self.current = NO_DRAFT
         return self.current
 
     def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
@@ -293,7 +316,12 @@ class AutoProposer:
         self.produced += len(acc.tokens)
         if cur is None:  # round 0: the prefill (of the target's prompt, not the drafter's)
             self.host.read_s.add(verify_s / max(self.target_len, 1))
-        if cur is not None:  # round 0 (the prefill) has no proposal
+        if self.copy is not None:  # a copy round: the drafter's figures are not its business
+            assert self.copies is not None
+            self.copies.record(self.copy, len(acc.tokens), verify_s)
+            self.policy.count_plain(len(acc.tokens))
+            self.prev_spec = False
+        elif cur is not None:  # round 0 (the prefill) has no proposal
             spec = cur.k > 0
             self.policy.record(
                 cur.k,

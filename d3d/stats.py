@@ -5,7 +5,8 @@ accumulates them. The draft counters use vLLM's metric names (``num_drafts``,
 ``num_draft_tokens``, ``num_accepted_tokens``, per-position accepted counts; mean acceptance
 length = 1 + accepted / drafts); the asynchronous pipeline's own figures (branch hits and
 misses, branches prepared per round, hit-round timings) and the adaptive mode's split of tokens
-with and without speculation sit beside them under their own names.
+with and without speculation and its copy rounds (drafts copied from the request's own text,
+:mod:`d3d.lookup`; counted in the draft counters too) sit beside them under their own names.
 
 Times: ``draft_s`` is drafting time *on the critical path* (all of it for ``sync``; for ``async``
 only the wait for a block that was not ready), ``verify_s`` the target forward with acceptance.
@@ -35,6 +36,7 @@ class Round:
     branches: int = 0
     speculative: bool = False
     failed: bool = False
+    copied: bool = False  # the drafts were copied from the request's text (d3d.lookup)
 
 
 @dataclass
@@ -66,6 +68,10 @@ class DecodeStats:
     spec_tokens: int = 0
     ar_tokens: int = 0
     rounds: int = 0
+    # copy rounds (drafts copied from the request's text): also counted in the draft counters
+    copy_drafts: int = 0
+    copy_draft_tokens: int = 0
+    copy_accepted_tokens: int = 0
 
     def record(self, rnd: Round) -> None:
         self.rounds += 1
@@ -88,6 +94,10 @@ class DecodeStats:
             self.branch_rounds += 1
         if rnd.num_drafted == 0:
             return
+        if rnd.copied:
+            self.copy_drafts += 1
+            self.copy_draft_tokens += rnd.num_drafted
+            self.copy_accepted_tokens += rnd.num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += rnd.num_drafted
         self.num_accepted_tokens += rnd.num_accepted
@@ -141,4 +151,7 @@ class DecodeStats:
             "worker_failures": self.worker_failures,
             "spec_tokens": self.spec_tokens,
             "ar_tokens": self.ar_tokens,
+            "copy_drafts": self.copy_drafts,
+            "copy_draft_tokens": self.copy_draft_tokens,
+            "copy_accepted_tokens": self.copy_accepted_tokens,
         }

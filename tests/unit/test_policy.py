@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from d3d.config import SamplingConfig
 from d3d.policy import HostCosts, PositionStats, SpeculationPolicy, expected_tokens
 
 STEP, PER_TOKEN = 0.040, 0.0037  # this CPU: a 16-token verify costs ~2.4 steps
@@ -147,7 +148,7 @@ def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed(
     host = _paying_host()
     switches, spec = [], Spec()
     auto = AutoProposer(spec, host, on_switch=switches.append)
-    auto.start([1, 2, 3], None, None)
+    auto.start([1, 2, 3], SamplingConfig(), None)
     assert spec.first_len > 0 and switches == [True]
     auto.observe(Acceptance(0, [7]), 0.1)  # the prefill
     assert auto.propose([]).k > 0
@@ -223,7 +224,7 @@ def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(
     host.answer_len.value = typical
     spec = Spec()
     auto = AutoProposer(spec, host, budget=budget)
-    auto.start(list(range(2000)), None, None)
+    auto.start(list(range(2000)), SamplingConfig(), None)
     assert spec.first_len == 0
     auto.observe(Acceptance(0, [7]), 2.0)  # the prefill: 1 ms per prompt token
     assert auto.propose([]) is NO_DRAFT
@@ -258,5 +259,5 @@ def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_pla
         host.read_s.add(0.001)
         host.answer_len.add(typical)
         spec = Spec()
-        AutoProposer(spec, host, budget=budget).start(list(range(2000)), None, None)
+        AutoProposer(spec, host, budget=budget).start(list(range(2000)), SamplingConfig(), None)
         assert spec.first_len == first_len
