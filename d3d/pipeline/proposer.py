@@ -89,6 +89,7 @@ class AsyncProposer:
         self.device = generator.device if generator is not None else torch.device("cpu")
         prompt = list(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
         self.committed = self.prompt_len = len(prompt)
+        self.target_len = len(prompt_ids)  # round 0 is the target's prefill of its own prompt
         self.unread = len(prompt) if first_len == 0 else 0  # tokens the worker will catch up on
         if not self.link.alive:
             self._fail("the drafter worker is not running")
@@ -101,7 +102,7 @@ class AsyncProposer:
         self.committed += len(acc.tokens)
         self.last_target_s = verify_s
         if self.per_token_s is None:  # the first round is the prefill
-            self.per_token_s = verify_s / max(self.prompt_len, 1)
+            self.per_token_s = verify_s / max(self.target_len, 1)
         if next_len == 0:  # the worker will not read these until a block is wanted
             self.unread += len(acc.tokens)
         if self.failed:

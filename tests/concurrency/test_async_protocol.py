@@ -17,6 +17,7 @@ from d3d.decode import ArProposer, DecodeStats, decode
 from d3d.drafter import D3DDrafter
 from d3d.pipeline import AsyncProposer, ServerConfig, ThreadWorker
 from d3d.pipeline.workers import wait_until
+from d3d.verify import Acceptance
 from tests.concurrency.fakes import FakeClock, ScriptedWorker
 from tests.conftest import TINY_VOCAB, OracleDrafter, tiny_model
 
@@ -118,3 +119,19 @@ def test_real_thread_worker_survives_a_cancelled_request(target, reference):
         assert out == reference and stats.worker_failures == 0
     finally:
         worker.close()
+
+
+def test_the_first_block_waits_for_a_full_document_catch_up_at_the_targets_rate(target):
+    # The target reads a 10-token kept prompt, the drafter the 100-token document (and, with
+    # first_len=0, nothing of it yet): the first block's wait must cover reading 100 tokens at
+    # the target's measured prefill cost per token of *its* prompt (1.0 s / 10 tokens).
+    clock = FakeClock()
+    worker = ScriptedWorker(OracleDrafter(target), ["hang"], clock=clock)
+    proposer = AsyncProposer(worker, TINY_VOCAB, min_timeout=5.0, timeout_factor=10.0, clock=clock)
+    kept, document = list(range(2, 12)), list(range(2, 102))
+    proposer.start(kept, DecodeConfig().sampling, None, draft_prompt_ids=document, first_len=0)
+    proposer.observe(Acceptance(num_accepted=0, tokens=[5]), 1.0, next_len=None)
+    proposal = proposer.propose([*kept, 5])
+    assert proposal.k == 0 and proposal.failed  # it hung: the request goes on alone
+    # max(5, 10 x 1.0) + 3 x 100 unread x (1.0 / 10): 40 s, not the 13 s of the document's rate
+    assert clock.now == pytest.approx(40.0)
