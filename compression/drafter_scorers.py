@@ -12,9 +12,9 @@ differently at mask slots (adapters) reads the look-ahead block as it drafts.
    saved at depth 8). At full depth this cache is the drafter's prefill of the whole prompt
    (less the last layer's output, which the next forward does not need).
 2. *Query pass*: the suffix (question, instruction tail, assistant header), and optionally one
-   appended draft block ``[anchor, MASK x (B-1)]`` as look-ahead, on top of that cache with eager
-   attention (4D mask: the suffix is causal; the block sees everything and itself
-   bidirectionally). Hooks on the chosen layers' attention modules catch the weights from those
+   appended draft block ``[anchor, MASK x (B-1)]`` as look-ahead, on top of that cache, with
+   eager attention on the chosen layers and sdpa on the others (4D mask: the suffix is causal;
+   the block sees everything and itself bidirectionally). Hooks on the chosen layers' attention modules catch the weights from those
    Q queries onto the C context keys: [layers, heads, Q, C]. The query's KV is then cut off, so
    the document pass can serve the next question (:mod:`compression.doc_cache`).
 3. Reduce over layers, heads and queries (SpecPrefill: max, max, mean), or take chosen
@@ -46,6 +46,7 @@ from transformers import DynamicCache, PreTrainedModel
 from compression.doc_cache import DocumentCache, DocumentReading, WindowCache, content_key
 from compression.prompt import PromptParts
 from compression.reading import (
+    CAPTURE,
     AttentionCapture,
     EarlyExit,
     attention_implementation,
@@ -298,11 +299,12 @@ class DrafterAttentionScorer:
 
     @contextlib.contextmanager
     def query_mode(self) -> Iterator[AttentionCapture]:
-        """Eager attention, the capture hooks and the early exit, held around query passes
-        (from any number of threads; no document pass may run meanwhile)."""
+        """Capturing attention (eager on the chosen layers), the capture hooks and the early
+        exit, held around query passes (from any number of threads; no document pass may run
+        meanwhile)."""
         layers = self.model.lm.model.layers
         with (
-            attention_implementation(self.model.lm, "eager"),
+            attention_implementation(self.model.lm, CAPTURE),
             AttentionCapture({i: layers[i].self_attn for i in self.layers}) as capture,
             early_exit(layers, self.depth),
         ):
