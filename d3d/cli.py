@@ -151,8 +151,11 @@ def _generate(engine, args: argparse.Namespace, dcfg: DecodeConfig, load_s: floa
             if s.branch_hits + s.branch_misses
             else ""
         )
+        + (f"; {s.spec_tokens} tokens speculative, {s.ar_tokens} plain" if s.mode == "auto" else "")
         + (
-            f"; {s.spec_tokens} tokens speculative, {s.ar_tokens} plain" if s.mode == "auto" else ""
+            f" ({s.copy_accepted_tokens} drafts copied from the text, {s.copy_drafts} copy rounds)"
+            if s.copy_drafts
+            else ""
         ),
         file=sys.stderr,
     )
@@ -183,14 +186,16 @@ def _compare(engine, prompt: str, dcfg: DecodeConfig, as_json: bool) -> int:
         return 0
     print(spec.text)
     print(
-        "\n| mode | tokens | decode s | tok/s | acceptance length | tokens speculative / plain |"
-        "\n|---|---:|---:|---:|---:|---:|"
+        "\n| mode | tokens | decode s | tok/s | acceptance length | tokens speculative / plain "
+        "| copied drafts accepted (rounds) |"
+        "\n|---|---:|---:|---:|---:|---:|---:|"
     )
     for g in (ar, spec):
         s = g.stats
         print(
             f"| {s.mode} | {s.num_tokens} | {s.decode_seconds:.2f} | {s.tokens_per_second:.1f} "
-            f"| {s.acceptance_length:.2f} | {s.spec_tokens} / {s.ar_tokens} |"
+            f"| {s.acceptance_length:.2f} | {s.spec_tokens} / {s.ar_tokens} "
+            f"| {s.copy_accepted_tokens} ({s.copy_drafts}) |"
         )
     print(f"\nspeed-up {speedup:.2f}x; output identical to the target alone: {identical}")
     return 0

@@ -3,19 +3,21 @@
 For each document size (essays with six needle facts, the needle family of the tests), in one
 process with models loaded once, :class:`compression.qa.DocumentQA` (what ``d3d qa`` runs):
 
-- ``full``: keep 1.0 (no scoring), question 1;
+- ``full``: keep 1.0 (no scoring), ``--repeats`` times, questions rotating;
 - ``first``: keep 0.1 with empty caches, question k (the reader reads the document while the
   target encodes the instruction and the document's head);
 - ``second``: keep 0.1, question k+1 right after (the reader's pass and the target's KV of the
   instruction and head come from the caches).
 
-Each is repeated ``--repeats`` times (questions rotate); medians are reported with the scoring's
-share of ``total_s`` and the ratios. ``--draft-prefix`` adds the acceptance comparison of item 3:
+First and second run as ``--pairs`` pairs, k = 0, 1, ...: with six pairs every needle is asked
+once first and once second, so both sides answer the same questions (answers differ in length
+and in how much of them the document supplies to copy). Medians are reported with the scoring's
+share of ``total_s``, the second question's stages, and the ratios. ``--draft-prefix`` adds the acceptance comparison of item 3:
 ``sync`` decoding of the kept prompt with the drafter reading the kept prompt, against the
 drafter reading the full document (``draft_prompt_ids``), on the same items; both answers must
 be equal (lossless). It times: run it with nothing else busy on the machine:
 
-    python -m eval.longbench.qa_bench --sizes 4,8 --repeats 3 --threads 1 --out eval/results
+    python -m eval.longbench.qa_bench --sizes 4,8 --threads 0 --out eval/results
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from compression.compressor import CompressionConfig
 from compression.doc_cache import DocumentCache
 from compression.qa import DocumentQA
 from d3d.config import MODES, DecodeConfig
@@ -69,14 +72,20 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(r["timings"][key] for r in rows)
 
 
-def run_size(qa: DocumentQA, size_k: int, dcfg: DecodeConfig, repeats: int) -> dict:
+def run_size(qa: DocumentQA, size_k: int, dcfg: DecodeConfig, repeats: int, pairs: int) -> dict:
     tok = qa.tokenizer
     text = document(lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), size_k)
     full, first, second = [], [], []
-    for r in range(repeats):
-        q1 = NEEDLES[(2 * r) % len(NEEDLES)]
-        q2 = NEEDLES[(2 * r + 1) % len(NEEDLES)]
-        full.append(qa.answer(text, q1[1], dcfg, keep_ratio=1.0).to_dict())
+    for r in range(max(repeats, pairs)):
+        if r < repeats:
+            full.append(
+                qa.answer(text, NEEDLES[r % len(NEEDLES)][1], dcfg, keep_ratio=1.0).to_dict()
+            )
+        if r >= pairs:
+            continue
+        # Pair r asks needle r, then needle r + 1: over six pairs every question is asked once
+        # first and once second, so the two sides answer the same questions.
+        q1, q2 = NEEDLES[r % len(NEEDLES)], NEEDLES[(r + 1) % len(NEEDLES)]
         qa.forget()
         first.append(qa.answer(text, q1[1], dcfg, keep_ratio=0.1).to_dict())
         second.append(qa.answer(text, q2[1], dcfg, keep_ratio=0.1).to_dict())
@@ -93,6 +102,11 @@ def run_size(qa: DocumentQA, size_k: int, dcfg: DecodeConfig, repeats: int) -> d
         "first_compress_s": median(first, "compress_s"),
         "second_compress_s": median(second, "compress_s"),
         "full_prefill_s": median(full, "prefill_s"),
+        "second_prefill_s": median(second, "prefill_s"),
+        "second_decode_s": median(second, "decode_s"),
+        "answer_tokens": sum(x["speculative"]["num_tokens"] for x in first + second),
+        "copied_tokens": sum(x["speculative"]["copy_accepted_tokens"] for x in first + second),
+        "copy_rounds": sum(x["speculative"]["copy_drafts"] for x in first + second),
         "speedup_first": f / a,
         "speedup_second": f / b,
         "second_vs_first": a / b,
@@ -131,14 +145,15 @@ def draft_prefix(qa: DocumentQA, size_k: int, new_tokens: int) -> list[dict]:
     return out
 
 
-def markdown(rows: list[dict], mode: str) -> str:
+def markdown(rows: list[dict], mode: str, meta: dict) -> str:
     lines = [
-        f"`d3d qa` (DocumentQA), keep 0.1 vs the full prompt, mode {mode}, medians over repeats.",
+        f"`d3d qa` (DocumentQA), keep 0.1 vs the full prompt, mode {mode}, "
+        f"{meta['threads']} torch thread(s), medians over runs. `{meta['command']}`",
         "",
         "| doc | tokens | kept | head + instruction | full s | first s | second s | speed-up "
         "(first) | speed-up (second) | second vs first | scoring s | scoring share | scoring / "
-        "full prefill | correct |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "full prefill | second: query / prefill / decode s | answer tokens copied | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -149,6 +164,9 @@ def markdown(rows: list[dict], mode: str) -> str:
             f"{r['second_vs_first']:.2f}x | {r['first_compress_s']:.2f} | "
             f"{100 * r['scoring_share_first']:.0f} % | "
             f"{100 * r['scoring_vs_full_prefill']:.1f} % | "
+            f"{r['second_compress_s']:.2f} / {r['second_prefill_s']:.2f} / "
+            f"{r['second_decode_s']:.2f} | "
+            f"{r['copied_tokens']}/{r['answer_tokens']} in {r['copy_rounds']} rounds | "
             f"{r['answers_correct']}/{r['answers']} |"
         )
     return "\n".join(lines) + "\n"
@@ -160,10 +178,29 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m eval.longbench.qa_bench", description=__doc__)
     p.add_argument("--sizes", default="4,8")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--repeats", type=int, default=3, help="full-prompt runs per size")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=6,
+        help="first/second question pairs per size (6: each "
+        "needle asked once first and once second)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for the target (0, the default: torch's, every core, as `d3d qa` "
+        "runs; 1: the target on one core, the two-device layout)",
+    )
     p.add_argument("--mode", default="auto" if "auto" in MODES else "sync")
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument(
+        "--head",
+        type=float,
+        default=None,
+        help="share of the budget for the document's head (default: the compressor's)",
+    )
     p.add_argument("--draft-prefix", action="store_true", help="also compare draft prefixes")
     p.add_argument("--only-draft-prefix", action="store_true")
     p.add_argument("--out", default="eval/results")
@@ -171,18 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.from_config(ModelConfig(threads=args.threads or None))
     if args.threads:
         torch.set_num_threads(args.threads)
-    qa = DocumentQA(engine, cache=DocumentCache())
+    cfg = CompressionConfig() if args.head is None else CompressionConfig(head=args.head)
+    qa = DocumentQA(engine, cfg, cache=DocumentCache())
     dcfg = DecodeConfig(mode=args.mode, max_new_tokens=args.max_new_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     if not args.only_draft_prefix:
-        rows = [run_size(qa, k, dcfg, args.repeats) for k in sizes]
+        rows = [run_size(qa, k, dcfg, args.repeats, args.pairs) for k in sizes]
         meta = {"command": "python -m eval.longbench.qa_bench " + " ".join(argv or sys.argv[1:])}
+        meta["threads"] = torch.get_num_threads()
         doc = {**meta, "mode": args.mode, "compression": asdict(qa.cfg), "rows": rows}
         (out / "qa_speed.json").write_text(json.dumps(doc, indent=2))
-        (out / "qa_speed.md").write_text(markdown(rows, args.mode))
-        print(markdown(rows, args.mode))
+        table = markdown(rows, args.mode, meta)
+        (out / "qa_speed.md").write_text(table)
+        print(table)
     if args.draft_prefix or args.only_draft_prefix:
         rows = [r for k in sizes for r in draft_prefix(qa, k, args.max_new_tokens)]
         kept = [r["kept_prompt"]["acceptance_length"] for r in rows]
