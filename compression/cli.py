@@ -203,7 +203,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="keep the reader's pass over each document in this folder too, so a later run "
         "skips it (default: $D3D_DOC_CACHE_DIR; unset: memory only)",
     )
-    add_model_args(p)
+    add_model_args(p, remember_costs=True)
     add_compression_args(p)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from importlib.metadata import entry_points
@@ -25,9 +26,19 @@ COMMAND_GROUP = "d3d.commands"
 USER_ERRORS = (ConfigError, ModelLoadError, DrafterError, FileNotFoundError, ValueError)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads models."""
+def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> None:
+    """Flags shared by every command that loads models. ``remember_costs``: the command keeps
+    ``auto``'s measured costs between processes (one-shot commands; not benchmarks, which
+    start fresh) unless ``--fresh-costs``."""
     g = p.add_argument_group("models")
+    if remember_costs:
+        g.add_argument(
+            "--fresh-costs",
+            action="store_true",
+            help="measure decoding costs afresh instead of starting from what the last process "
+            "on this host measured (kept under $D3D_COSTS_DIR or ~/.cache/d3d/costs)",
+        )
+        p.set_defaults(remember_costs=True)
     g.add_argument(
         "--target", default=None, help="target spec: default, HF id, directory or .gguf file"
     )
@@ -63,7 +74,17 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         dtype=args.dtype,
         threads=args.threads,
         pack=False if getattr(args, "no_pack", False) else None,
+        costs_dir=_costs_dir(args),
     )
+
+
+def _costs_dir(args: argparse.Namespace) -> str | None:
+    """Where a one-shot command keeps auto's costs (None: it does not, or the environment says)."""
+    if not getattr(args, "remember_costs", False) or getattr(args, "fresh_costs", False):
+        return None
+    from d3d.models import cache_dir
+
+    return os.environ.get("D3D_COSTS_DIR") or str(cache_dir() / "costs")
 
 
 def add_decode_args(p: argparse.ArgumentParser, default_max: int = 256) -> None:
@@ -166,6 +187,12 @@ def _compare(engine, prompt: str, dcfg: DecodeConfig, as_json: bool) -> int:
     """Run the target alone, then the chosen mode, on the same prompt; print both and the ratio."""
     from dataclasses import replace
 
+    # Nothing may be charged to whichever mode runs first: the drafter process loads its models
+    # (beside the target, on the same cores) before anything is timed, and a short warm-up takes
+    # the process's first forwards (page faults, kernels built for new shapes).
+    if dcfg.mode in ("async", "auto"):
+        engine.worker()
+    engine.generate(prompt, replace(dcfg, mode="ar", max_new_tokens=4))
     ar = engine.generate(prompt, replace(dcfg, mode="ar"))
     spec = engine.generate(prompt, dcfg if dcfg.mode != "ar" else replace(dcfg, mode="sync"))
     speedup = (
@@ -204,7 +231,7 @@ def _compare(engine, prompt: str, dcfg: DecodeConfig, as_json: bool) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate an answer with speculative decoding")
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template)")
-    add_model_args(p)
+    add_model_args(p, remember_costs=True)
     add_decode_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument(

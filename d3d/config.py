@@ -81,6 +81,7 @@ class ModelConfig:
     dtype: str = "auto"
     threads: int | None = None
     pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.packing)
+    costs_dir: str | None = None  # keep auto's measured costs here between processes
 
     def __post_init__(self) -> None:
         _check(bool(self.target.strip()), "target", "must not be empty")
@@ -101,8 +102,9 @@ class ModelConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
-        ``D3D_DTYPE``, ``D3D_THREADS`` and ``D3D_PACK`` (``0``: no prepacked linear maps);
-        explicit keyword overrides win when not None."""
+        ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps) and
+        ``D3D_COSTS_DIR`` (:mod:`d3d.cost_memory`); explicit keyword overrides win when not
+        None."""
         env = os.environ
         values: dict[str, object] = {
             "target": env.get("D3D_TARGET", "default"),
@@ -112,6 +114,7 @@ class ModelConfig:
             "dtype": env.get("D3D_DTYPE", "auto"),
             "threads": int(env["D3D_THREADS"]) if env.get("D3D_THREADS") else None,
             "pack": env.get("D3D_PACK", "1").strip().lower() not in ("0", "false", "no", "off"),
+            "costs_dir": env.get("D3D_COSTS_DIR") or None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

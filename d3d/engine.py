@@ -19,6 +19,7 @@ untrained), ``self:0,5,9`` (those layers), or a checkpoint directory written by
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from d3d.config import DEFAULT_BLOCK_SIZE, DecodeConfig, ModelConfig
+from d3d.cost_memory import costs_path, load_costs, save_costs
 from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, TargetSession, decode
 from d3d.drafter import D3DDrafter, DrafterError
 from d3d.kv_store import PrefixCache
@@ -214,6 +216,8 @@ class Engine:
         if drafter is not None and cfg.pack:
             pack_linears(drafter.lm)
         engine = cls(target, drafter, cfg)
+        if cfg.costs_dir:
+            engine.remember_costs(costs_path(cfg, cfg.costs_dir))
         if early is not None:
             engine._worker, engine._cpu = early
         elif with_drafter and start_worker:
@@ -223,6 +227,12 @@ class Engine:
     @property
     def tokenizer(self):
         return self.target.tokenizer
+
+    def remember_costs(self, path: Path) -> None:
+        """Start from the decoding costs stored at ``path`` (if any) and store this engine's
+        there when the process ends (:mod:`d3d.cost_memory`)."""
+        self.host = load_costs(path) or self.host
+        atexit.register(save_costs, self.host, path)
 
     # ----- the drafter worker -----------------------------------------------------------
     def worker(self, wait: bool = True, timeout: float = 600.0) -> WorkerClient | None:
