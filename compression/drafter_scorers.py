@@ -34,9 +34,6 @@ Letters: S cached length, Q query tokens, C context tokens, H hidden, V vocab.
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +42,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from compression.doc_cache import DocumentCache, DocumentReading, WindowCache, content_key
 from compression.prompt import PromptParts
+from compression.reader_model import quantized_copy, scoring_model, weights_id
 from compression.reading import (
     CAPTURE,
     AttentionCapture,
@@ -114,71 +112,6 @@ class AttentionScoring:
         if self.layers is not None:
             return self.layers
         return max(layer for layer, _ in self.heads) + 1 if self.heads else None
-
-
-def _quantize(model: D3DDrafter) -> None:
-    """Swap the decoder layers' linear maps for dynamic int8 ones, in place (CPU only)."""
-    if model.device.type != "cpu":
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import quantize_dynamic
-
-        # In place: the layers must keep sharing the model's config object, which is how the
-        # attention implementation is switched for the query pass.
-        quantize_dynamic(model.lm.model.layers, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-def weights_id(
-    layers: Sequence[torch.nn.Module], mask_embedding: torch.Tensor, depth: int | None
-) -> str:
-    """A reader's identity across processes (document-cache keys on disk): a hash of the first
-    and the last reading layers' weights (every tensor's shape and up to 4,096 evenly spaced
-    values of it, so a large model on a GPU costs no copy of its layers) and the mask embedding."""
-    n = len(layers) if depth is None else min(depth, len(layers))
-    h = hashlib.sha256(f"{n}".encode())
-    tensors = [
-        (name, t)
-        for layer in {0: layers[0], n - 1: layers[n - 1]}.values()
-        for name, t in sorted(layer.state_dict().items())
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    for name, t in [*tensors, ("mask", mask_embedding)]:
-        flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
-        h.update(f"{name}{tuple(t.shape)}".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def scoring_model(
-    source: PreTrainedModel,
-    layers: int | None,
-    quantize: bool = False,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    mask_embedding: torch.Tensor | None = None,
-) -> D3DDrafter:
-    """The first ``layers`` layers of ``source`` (a target) as a model of their own (own config,
-    shared embeddings and LM head), with the drafter's mask embedding; ``quantize``: int8 linear
-    maps in its layers (about 2x faster prefill on CPU)."""
-    n = len(source.model.layers)
-    k = n if layers is None else min(layers, n)
-    sub = D3DDrafter.from_target(source, k, block_size=block_size, base="scoring")
-    if mask_embedding is not None:
-        with torch.no_grad():
-            sub.mask_embedding.copy_(mask_embedding)
-    if quantize:
-        _quantize(sub)
-    return sub
-
-
-def quantized_copy(drafter: D3DDrafter) -> D3DDrafter:
-    """A copy of the drafter with int8 layers, still sharing the target's embeddings / LM head."""
-    shared = {id(drafter.lm.get_input_embeddings()), id(drafter.lm.get_output_embeddings())}
-    memo = {i: m for m in drafter.modules() if (i := id(m)) in shared}
-    out = copy.deepcopy(drafter, memo)
-    _quantize(out)
-    return out
 
 
 def _reduce(x: torch.Tensor, how: str, dim: int) -> torch.Tensor:
