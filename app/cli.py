@@ -29,6 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         served_model_name=args.served_model_name,
         doc_cache_dir=args.doc_cache_dir,
+        copy=False if args.no_copy else None,
     )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -75,6 +76,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--doc-cache-dir",
         default=None,
         help="keep each document's reading on disk too (D3D_DOC_CACHE_DIR; default memory only)",
+    )
+    p.add_argument(
+        "--no-copy",
+        action="store_true",
+        help="auto requests never draft by copying their own text (D3D_COPY=0)",
     )
     add_model_args(p)
     p.set_defaults(func=cmd_serve)

@@ -4,7 +4,8 @@ Model settings are the library's own :class:`d3d.config.ModelConfig` (``D3D_TARG
 ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``, ``D3D_DTYPE``, ``D3D_THREADS``);
 the service adds ``D3D_HOST``, ``D3D_PORT``, ``D3D_MAX_QUEUE``, ``D3D_MAX_BATCH``,
 ``D3D_MAX_DOCUMENT_TOKENS``, ``D3D_API_KEY``, ``D3D_REQUEST_TIMEOUT`` and
-``D3D_SERVED_MODEL_NAME`` and ``D3D_DOC_CACHE_DIR``. Explicit values (flags) win over the environment.
+``D3D_SERVED_MODEL_NAME``, ``D3D_DOC_CACHE_DIR`` and ``D3D_COPY`` (``0``: no copy rounds).
+Explicit values (flags) win over the environment.
 """
 
 from __future__ import annotations
@@ -13,6 +14,19 @@ import os
 from dataclasses import dataclass, field
 
 from d3d.config import ConfigError, ModelConfig
+
+
+def _switch(raw: str) -> bool:
+    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``."""
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_switch.__name__ = "on/off"
 
 ENV = {
     "host": ("D3D_HOST", str),
@@ -24,6 +38,7 @@ ENV = {
     "request_timeout": ("D3D_REQUEST_TIMEOUT", float),
     "served_model_name": ("D3D_SERVED_MODEL_NAME", str),
     "doc_cache_dir": ("D3D_DOC_CACHE_DIR", str),
+    "copy": ("D3D_COPY", _switch),
 }
 
 
@@ -43,6 +58,7 @@ class ServeSettings:
     served_model_name: str | None = None
     doc_cache_dir: str | None = None  # the document cache's disk tier (None: memory only)
     warmup: bool = True
+    copy: bool = True  # auto rows may verify copies of their own text (d3d.lookup)
 
     def __post_init__(self) -> None:
         checks = [

@@ -171,6 +171,7 @@ class EngineWorker:
             engine.drafter,
             max_batch=self.settings.max_batch,
             prefix_cache=PrefixCache(tag="batch"),
+            copy=self.settings.copy,
         )
         p = next(model.parameters())
         drafter = engine.drafter

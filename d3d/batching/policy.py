@@ -23,6 +23,19 @@ of them is a (K+1)-token forward anyway, and the rule prices the ``auto`` rows o
 mean per power-of-two bucket of x, interpolated linearly between measured buckets (and
 extrapolated from the last two). Startup calibration (the warm-up generation) measures x = 1
 and x = K+1 so the rule has a basis before traffic arrives.
+
+Copy rounds (:mod:`d3d.lookup`): an ``auto`` row that does not draft this step may verify a
+copy of its own text instead, which costs no drafter. :func:`choose_copies` prices them on the
+same cost model: when the step's forward is already K+1 tokens wide (some row drafts), every
+row's copy rides along for free (a copy emits at least the token a plain step would); else the
+copies widen the forward, and they go in iff
+
+    (n + sum over copying rows of (tokens per copy round - 1)) / cost(B x (K+1)) > n / cost(B x 1)
+
+with tokens per copy round measured per match-length bucket (:class:`d3d.lookup.CopyCosts`);
+a bucket not yet tried ``explore`` times, or declined for ``retry_every`` steps, is priced at an
+optimistic prior (4 tokens) instead, so it is tried where trying is cheap (a lone request) and
+not where a wide forward costs many plain steps (a large batch).
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from d3d.lookup import CopyCosts
 
 PLAIN, AUTO, FORCED = "plain", "auto", "forced"
 
@@ -132,3 +147,54 @@ def decide(
     if spec_rate > plain_rate:
         return Plan([f or a for f, a in zip(forced, auto, strict=True)], plain_rate, spec_rate)
     return Plan(forced, plain_rate, spec_rate)
+
+
+def choose_copies(
+    buckets: Sequence[int | None],
+    width: int,
+    block_size: int,
+    costs: CostModel,
+    copy: CopyCosts,
+    explore: int = 2,
+    retry_every: int = 32,
+    prior: float = 4.0,
+) -> list[bool]:
+    """Which rows verify their copy this step (the rule of the module docstring).
+
+    ``buckets[i]``: the match-length bucket of row i's copy, None when it has none (or drafts
+    with the drafter, or asked for ``ar``); ``width``: tokens per row of the step's forward
+    without copies (1, or K+1 when a row drafts). A bucket tried fewer than ``explore`` times,
+    or declined in ``retry_every`` steps since it was last priced on its own figure, is priced at
+    ``prior`` tokens per copy round: exploring stays priced, so a large batch, whose wide
+    forward costs many plain steps, does not widen it to learn."""
+    rows = [i for i, b in enumerate(buckets) if b is not None]
+    out = [False] * len(buckets)
+    if not rows:
+        return out
+    if width > 1:  # the forward is wide anyway: a copy costs nothing more than a plain step
+        for i in rows:
+            out[i] = True
+        return out
+    n = len(buckets)
+    step, wide = costs.forward(n, 1), costs.forward(n, block_size)
+    if step is None or wide is None:
+        return out
+    present = {buckets[i] for i in rows}
+    expect: dict[int, float] = {}
+    for b in present:
+        assert b is not None
+        tokens = copy.tokens[b].value
+        fresh = copy.tried[b] < explore or tokens is None
+        expect[b] = prior if fresh or copy.skipped[b] >= retry_every else float(tokens)
+    gain = sum(max(0.0, expect[b] - 1.0) for b in (buckets[i] for i in rows) if b is not None)
+    if (n + gain) / wide > n / step:
+        for b in present:
+            assert b is not None
+            copy.skipped[b] = 0
+        for i in rows:
+            out[i] = True
+        return out
+    for b in present:  # declined: one step closer to being tried again
+        assert b is not None
+        copy.skipped[b] += 1
+    return out

@@ -9,7 +9,9 @@
    the prefix cache when it holds it;
 3. runs one round for every running row in ONE target forward: the speculation policy
    (:mod:`d3d.batching.policy`) decides from measured costs which rows draft; speculating rows
-   send ``[anchor, d_1..d_K]``, the others ``[anchor]`` (padded); each row then accepts with
+   send ``[anchor, d_1..d_K]``; an ``auto`` row that does not draft may send a copy of its own
+   text instead where the policy finds it pays (:func:`d3d.batching.policy.choose_copies`, a
+   one-hot draft: still exact); the others send ``[anchor]`` (padded); each row accepts with
    :mod:`d3d.verify`'s rules (or picks one token), commits what it accepted to its own cache row
    (rollback = not committing), and emits;
 4. finishes rows that hit EOS or their budget, and packs the live rows to the front slots.
@@ -30,11 +32,12 @@ from collections.abc import Sequence
 
 import torch
 
-from d3d.batching.policy import CostModel, Plan, RunningMean, decide, row_kind
+from d3d.batching.policy import AUTO, CostModel, Plan, RunningMean, choose_copies, decide, row_kind
 from d3d.batching.request import GenRequest, Row
 from d3d.batching.target import BatchTarget
 from d3d.decode import DecodeStats, Drafter, Round, _clip
 from d3d.kv_store import PrefixCache
+from d3d.lookup import BUCKETS, CopyCosts, CopyDraft, find_copy, one_hot_q
 from d3d.sampling import make_generator, pick, probabilities
 from d3d.verify import greedy_accept, stochastic_accept
 
@@ -55,9 +58,11 @@ class BatchEngine:
         prefill_budget: int = 4096,
         window: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        copy: bool = True,
     ):
         """``prefix_cache``: the target's KV of prompt prefixes requests share
-        (:attr:`GenRequest.shared_prefix`); None encodes every prompt whole."""
+        (:attr:`GenRequest.shared_prefix`); None encodes every prompt whole. ``copy``: ``auto``
+        rows may verify copies of their own text (:mod:`d3d.lookup`)."""
         self.target = BatchTarget(model)
         self.prefix_cache = prefix_cache
         self.eos_ids = set(eos_ids)
@@ -68,6 +73,8 @@ class BatchEngine:
         self.prefill_budget = prefill_budget
         self.window = window or getattr(model.config, "max_position_embeddings", None)
         self.costs = CostModel()
+        self.copy = copy
+        self.copy_costs = CopyCosts()
         self.acceptance = RunningMean(decay=0.95)
         self.waiting: deque[GenRequest] = deque()
         self.rows: list[Row] = []  # rows[i].slot == i
@@ -217,6 +224,8 @@ class BatchEngine:
         plan = decide(kinds, acc, self.block_size, self.costs, self.drafter is not None)
         self.last_plan = plan
         drafts, draft_s = self._draft(rows, plan.speculate)
+        if self.copy:
+            self._copies(rows, kinds, drafts)
         ids = [
             [r.tokens[-1], *(drafts[i].tokens.tolist() if drafts[i] else [])]
             for i, r in enumerate(rows)
@@ -251,14 +260,35 @@ class BatchEngine:
             self.costs.observe_draft(seconds[i])
         return drafts, seconds
 
+    def _copies(self, rows: Sequence[Row], kinds: Sequence[str], drafts: list) -> None:
+        """Put a copy of its own text (:class:`~d3d.lookup.CopyDraft`) in ``drafts`` for each
+        ``auto`` row that does not draft and whose copy the policy takes."""
+        found = [
+            find_copy(r.tokens, self.block_size - 1) if k == AUTO and d is None else None
+            for r, k, d in zip(rows, kinds, drafts, strict=True)
+        ]
+        buckets = [None if f is None else min(f.ngram, BUCKETS) - 1 for f in found]
+        width = self.block_size if any(d is not None for d in drafts) else 1
+        take = choose_copies(buckets, width, self.block_size, self.costs, self.copy_costs)
+        for i, (f, b) in enumerate(zip(found, buckets, strict=True)):
+            if take[i] and f is not None and b is not None:
+                drafts[i] = CopyDraft(torch.tensor(f.tokens, dtype=torch.long), None, b)
+
     def _accept(self, row: Row, draft, logits: torch.Tensor, draft_s: float, verify_s: float):
-        """Verify one row's draft against its logits [K+1, V]; the cache commits the result."""
+        """Verify one row's draft (or copy) against its logits [K+1, V]; the cache commits the
+        result."""
         d = draft.tokens.to(logits.device)  # [K]
         if row.req.sampling.greedy:
             res = greedy_accept(d, logits.argmax(dim=-1))
         else:
             p = probabilities(logits, row.req.sampling)
-            res = stochastic_accept(d, draft.q.to(logits.device), p, row.generator)
+            q = one_hot_q(d, p.shape[-1]) if draft.q is None else draft.q.to(logits.device)
+            res = stochastic_accept(d, q, p, row.generator)
+        if isinstance(draft, CopyDraft):  # the drafter's acceptance figures are not its business
+            c = self.copy_costs
+            c.tried[draft.bucket] += 1
+            c.tokens[draft.bucket].add(float(res.num_emitted))
+            return Round(res.tokens, d.shape[0], res.num_accepted, 0.0, verify_s, copied=True)
         emitted = float(res.num_emitted)
         self.acceptance.add(emitted)
         row.acceptance = emitted if row.acceptance is None else 0.7 * row.acceptance + 0.3 * emitted

@@ -204,3 +204,47 @@ def test_a_shared_prefix_is_encoded_once_and_reused_with_the_same_numbers(kind):
         ref = model(torch.tensor([head]), use_cache=True).past_key_values
     for a, b in zip(stored.layers, ref.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_auto_rows_verify_copies_of_their_own_text_and_stay_exact(kind):
+    """A prompt that repeats itself: auto rows copy from their own tokens (no drafter, or beside a
+    drafting row), ar rows never do, and every row still decodes as the target alone."""
+    model = tiny_model(kind, seed=4)
+    prompts = [[3, 4, 5, 6, 7, 8] * 5, [9, 10, 11] * 6, list(range(20, 40)) * 2]
+    for drafter, modes in (
+        (None, ["auto", "auto", "ar"]),
+        (OracleDrafter(model, block_size=6, wrong=True), ["auto", "sync", "ar"]),
+    ):
+        engine = BatchEngine(model, {model.config.eos_token_id}, drafter, block_size=6)
+        out = [Collector() for _ in prompts]
+        for c, p, m in zip(out, prompts, modes, strict=True):
+            engine.add(c.request(p, 24, m))
+        while not engine.idle:
+            engine.step()
+        for i, c in enumerate(out):
+            assert c.error is None
+            assert c.tokens == greedy_continuation(model, prompts[i], len(c.tokens)), f"row {i}"
+        assert out[0].stats.copy_drafts > 0
+        assert out[2].stats.copy_drafts == 0  # ar
+        assert sum(engine.copy_costs.tried) == sum(c.stats.copy_drafts for c in out)
+    off = BatchEngine(model, {model.config.eos_token_id}, None, block_size=6, copy=False)
+    c = Collector()
+    off.add(c.request(prompts[0], 24, "auto"))
+    while not off.idle:
+        off.step()
+    assert c.stats.copy_drafts == 0 and c.tokens == out[0].tokens
+
+
+def test_sampled_auto_rows_with_copies_run_and_stay_in_vocab():
+    model = tiny_model("qwen3", seed=2)
+    engine = BatchEngine(model, set(), None, block_size=6, max_batch=4)
+    outs = [Collector() for _ in range(2)]
+    for i, c in enumerate(outs):
+        s = SamplingConfig(temperature=0.7, seed=i)
+        engine.add(c.request([3, 4, 5, 6, 7, 8] * 5, 16, "auto", s))
+    while not engine.idle:
+        engine.step()
+    for c in outs:
+        assert len(c.tokens) == 16 and all(0 <= t < TINY_VOCAB for t in c.tokens)
+    assert sum(c.stats.copy_drafts for c in outs) > 0

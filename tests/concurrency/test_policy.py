@@ -18,6 +18,7 @@ def costs(fixed: float, per_token: float, draft: float) -> CostModel:
 
 CPU = costs(fixed=0.037, per_token=0.0036, draft=0.021)  # verify 16 tokens ~ 2.35x a step
 GPU = costs(fixed=0.020, per_token=0.00002, draft=0.004)  # weight-bound: 16 tokens ~ 1 step
+GPU_SLOW = costs(fixed=0.020, per_token=0.0012, draft=0.004)  # 2 rows x 16: ~2.5 steps
 
 
 def test_row_kinds():
@@ -68,3 +69,40 @@ def test_cost_model_interpolates_and_extrapolates():
     assert m.forward(1, 1) == pytest.approx(1.0)
     assert m.forward(2, 4) == pytest.approx(1.0 + 1.5 * 7 / 15)
     assert m.forward(4, 16) == pytest.approx(2.5 + 1.5 / 15 * 48)
+
+
+def copy_costs(tokens: dict[int, float], tried: int = 2):
+    from d3d.lookup import CopyCosts
+
+    c = CopyCosts()
+    for b, t in tokens.items():
+        c.tokens[b].add(t)
+        c.tried[b] = tried
+    return c
+
+
+def test_copies_ride_free_on_a_wide_forward_and_wait_for_costs():
+    from d3d.batching.policy import choose_copies
+
+    losing = copy_costs({0: 1.0})
+    assert choose_copies([0, None], 16, 16, CPU, losing) == [True, False]
+    assert choose_copies([None, None], 1, 16, CPU, losing) == [False, False]
+    assert choose_copies([3], 1, 16, CostModel(), copy_costs({})) == [False]  # nothing measured
+
+
+def test_copies_widen_the_forward_only_where_they_pay():
+    from d3d.batching.policy import choose_copies
+
+    # CPU: a 16-token forward costs ~2.35x a step, so a lone copy must emit > 2.35 tokens.
+    assert choose_copies([3], 1, 16, CPU, copy_costs({3: 6.0})) == [True]
+    assert choose_copies([0], 1, 16, CPU, copy_costs({0: 1.5})) == [False]
+    # GPU: the wide forward costs about a step, so any gain pays.
+    assert choose_copies([0], 1, 16, GPU, copy_costs({0: 1.5})) == [True]
+    # A bucket not yet tried is priced at the prior (4 tokens): tried alone, not at batch 64.
+    assert choose_copies([2], 1, 16, CPU, copy_costs({0: 1.0})) == [True]
+    assert choose_copies([2] * 64, 1, 16, CPU, copy_costs({0: 1.0})) == [False] * 64
+    # A losing bucket is declined, and priced at the prior again after retry_every declined steps
+    # (one step counts once, whatever the rows).
+    losing = copy_costs({1: 1.0})
+    picks = [choose_copies([1, 1], 1, 16, GPU_SLOW, losing, retry_every=4)[0] for _ in range(8)]
+    assert picks == [False, False, False, False, True] + [False] * 3

@@ -47,3 +47,16 @@ def test_probabilities_temperature_and_top_p():
 
 def test_pick_greedy_is_argmax():
     assert pick(torch.tensor([0.1, 3.0, 2.0]), SamplingConfig(), None) == 1
+
+
+def test_serve_settings_read_the_copy_switch(monkeypatch):
+    from app.settings import ServeSettings
+
+    monkeypatch.setenv("D3D_COPY", "off")
+    assert ServeSettings.from_env().copy is False
+    assert ServeSettings.from_env(copy=True).copy is True  # a flag wins
+    monkeypatch.setenv("D3D_COPY", "1")
+    assert ServeSettings.from_env().copy is True
+    monkeypatch.setenv("D3D_COPY", "maybe")
+    with pytest.raises(ConfigError, match="D3D_COPY: cannot read 'maybe' as on/off"):
+        ServeSettings.from_env()
