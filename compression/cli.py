@@ -138,6 +138,8 @@ def document_qa(args: argparse.Namespace, with_drafter: bool = True) -> Document
     mcfg = model_config(args)
     ccfg = compression_config(args, mcfg.target)  # fails on bad flags before loading
     engine = Engine.from_config(mcfg, with_drafter=with_drafter)
+    if getattr(args, "mode", None) == "auto":
+        engine.calibrate()  # a fresh host: auto decides from the first token
     ccfg = compression_config(args, mcfg.target, drafter=engine.drafter)
     cache = DocumentCache(directory=args.doc_cache_dir) if args.doc_cache_dir else None
     return DocumentQA(engine, ccfg, cache, template=args.template, target_spec=mcfg.target)

@@ -131,6 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with_drafter=dcfg.mode != "ar",
         start_worker=dcfg.mode in ("async", "auto"),
     )
+    if dcfg.mode == "auto":
+        engine.calibrate()  # a fresh host: auto decides from the first token
     load_s = time.perf_counter() - t0
     try:
         if engine.drafter is not None and engine.drafter.block_size != dcfg.block_size:

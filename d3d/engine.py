@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from d3d.calibration import seed
 from d3d.config import DEFAULT_BLOCK_SIZE, DecodeConfig, ModelConfig
 from d3d.cost_memory import costs_path, load_costs, save_costs
 from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, TargetSession, decode
@@ -233,6 +234,23 @@ class Engine:
         there when the process ends (:mod:`d3d.cost_memory`)."""
         self.host = load_costs(path) or self.host
         atexit.register(save_costs, self.host, path)
+
+    def calibrate(self) -> dict | None:
+        """On a fresh host, time a plain step, a verify and a drafter block and take the
+        drafter's shipped acceptance, so ``auto`` decides from the first token
+        (:mod:`d3d.calibration`); None when the host already has figures. Waits for the drafter
+        worker first: its loading would share the cores with the timing."""
+        if self.host.step_s.value is not None:
+            return None
+        if self.drafter is not None:
+            self.worker()
+        block = self.drafter.block_size if self.drafter is not None else DEFAULT_BLOCK_SIZE
+        read_cost = self._read_cost() if self.drafter is not None else 1.0
+        figures = seed(
+            self.host, self.target.model, self.drafter, block, read_cost, self.cpu_budget
+        )
+        log.info("calibrated decoding costs: %s", figures)
+        return figures
 
     # ----- the drafter worker -----------------------------------------------------------
     def worker(self, wait: bool = True, timeout: float = 600.0) -> WorkerClient | None:

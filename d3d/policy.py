@@ -235,6 +235,26 @@ class SpeculationPolicy:
                 self.probe_left, h.since_probe = self.probe_rounds, 0
                 self.probe_spent, self.probe_tokens = 0.0, 0
 
+    def pace(self, catch_up_s: float = 0.0) -> int:
+        """The probe interval after a losing probe of ``probe_rounds`` rounds at the best length,
+        estimated from the current figures instead of run (:mod:`d3d.calibration`).
+
+        ``catch_up_s``: the drafter's cost of re-reading one skipped token (a probe after N
+        plain tokens first reads them). The interval is the N at which the probe's excess over
+        plain steps, its re-reading included, is ``probe_share`` of N plain steps; where the
+        re-reading alone costs more than that share, ``max_probe_every``."""
+        h = self.host
+        step, per_token = h.step_s.value, h.per_token_s.value
+        assert step is not None and per_token is not None
+        n = self.best
+        spent = self.probe_rounds * (step + per_token * n + (h.wait_s.value or 0.0))
+        tokens = self.probe_rounds * expected_tokens(self.accept.rates(n, prior=h.accept))
+        excess = max(spent - tokens * step, 0.0)
+        room = self.probe_share * step - catch_up_s
+        if room <= 0:
+            return self.max_probe_every
+        return min(max(2 * h.probe_interval, int(excess / room)), self.max_probe_every)
+
     def _next_interval(self) -> int:
         """Plain tokens until the next probe after a losing one (see the module docstring)."""
         step = self.host.step_s.value
