@@ -30,6 +30,8 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
   since the last probe are the host's, so probes are paced over all requests' tokens. Acceptance counts forget
   only at the positions a round tried, so what was measured beyond the length in use stays;
   every ``explore_every``-th speculative round tries the next longer length to keep measuring.
+  On a fresh host :mod:`d3d.calibration` seeds the figures at load and paces the first probe
+  with :meth:`SpeculationPolicy.pace` (a probe estimated, the drafter's re-reading included).
   The first round of every run of speculative rounds waits for a cold draft (the asynchronous
   worker had no chain to branch from), so its wait updates ``t_wait`` only while nothing else is
   known (an overstatement, which errs towards plain steps).
