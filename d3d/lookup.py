@@ -107,6 +107,18 @@ class CopyCosts:
     skipped: list[int] = field(default_factory=lambda: [0] * BUCKETS)
     round_s: Ema = field(default_factory=lambda: Ema(0.2))
 
+    def measured(self, bucket: int, explore: int) -> float | None:
+        """Tokens per copy round in ``bucket`` once it has run ``explore`` rounds, else None."""
+        tokens = self.tokens[bucket].value
+        return None if self.tried[bucket] < explore else tokens
+
+    def record(self, bucket: int, emitted: int, seconds: float | None = None) -> None:
+        """A copy round's outcome: ``emitted`` tokens (in ``seconds``, when timed alone)."""
+        self.tried[bucket] += 1
+        self.tokens[bucket].add(float(emitted))
+        if seconds is not None:
+            self.round_s.add(seconds)
+
 
 class CopyDrafts:
     """Per request: a copy to verify now, or None for a plain step (see the module docstring).
@@ -134,8 +146,8 @@ class CopyDrafts:
     def pays(self, bucket: int, step_s: float) -> bool:
         """Whether a copy round with a match in ``bucket`` beats plain steps (or is due a try)."""
         c = self.costs
-        tokens, round_s = c.tokens[bucket].value, c.round_s.value
-        if c.tried[bucket] < self.explore or tokens is None or round_s is None:
+        tokens, round_s = c.measured(bucket, self.explore), c.round_s.value
+        if tokens is None or round_s is None:
             return True
         if tokens / round_s > (1.0 + self.margin) / step_s:
             return True
@@ -163,7 +175,4 @@ class CopyDrafts:
 
     def record(self, draft: CopyDraft, emitted: int, verify_s: float) -> None:
         """A copy round's outcome: ``emitted`` tokens in ``verify_s`` seconds."""
-        c = self.costs
-        c.tried[draft.bucket] += 1
-        c.tokens[draft.bucket].add(float(emitted))
-        c.round_s.add(verify_s)
+        self.costs.record(draft.bucket, emitted, verify_s)

@@ -167,34 +167,26 @@ def choose_copies(
     or declined in ``retry_every`` steps since it was last priced on its own figure, is priced at
     ``prior`` tokens per copy round: exploring stays priced, so a large batch, whose wide
     forward costs many plain steps, does not widen it to learn."""
-    rows = [i for i, b in enumerate(buckets) if b is not None]
+    rows = [(i, b) for i, b in enumerate(buckets) if b is not None]
     out = [False] * len(buckets)
     if not rows:
         return out
-    if width > 1:  # the forward is wide anyway: a copy costs nothing more than a plain step
-        for i in rows:
-            out[i] = True
-        return out
-    n = len(buckets)
-    step, wide = costs.forward(n, 1), costs.forward(n, block_size)
-    if step is None or wide is None:
-        return out
-    present = {buckets[i] for i in rows}
-    expect: dict[int, float] = {}
-    for b in present:
-        assert b is not None
-        tokens = copy.tokens[b].value
-        fresh = copy.tried[b] < explore or tokens is None
-        expect[b] = prior if fresh or copy.skipped[b] >= retry_every else float(tokens)
-    gain = sum(max(0.0, expect[b] - 1.0) for b in (buckets[i] for i in rows) if b is not None)
-    if (n + gain) / wide > n / step:
-        for b in present:
-            assert b is not None
-            copy.skipped[b] = 0
-        for i in rows:
-            out[i] = True
-        return out
-    for b in present:  # declined: one step closer to being tried again
-        assert b is not None
-        copy.skipped[b] += 1
+    # On a wide forward a copy costs nothing more than a plain step: every copy goes in.
+    if width <= 1:
+        n = len(buckets)
+        step, wide = costs.forward(n, 1), costs.forward(n, block_size)
+        if step is None or wide is None:
+            return out
+        expect = {}
+        for b in {b for _, b in rows}:
+            tokens = copy.measured(b, explore)
+            expect[b] = prior if tokens is None or copy.skipped[b] >= retry_every else tokens
+        gain = sum(max(0.0, expect[b] - 1.0) for _, b in rows)
+        take = (n + gain) / wide > n / step
+        for b in expect:  # a declined bucket is one step closer to being tried again
+            copy.skipped[b] = 0 if take else copy.skipped[b] + 1
+        if not take:
+            return out
+    for i, _ in rows:
+        out[i] = True
     return out

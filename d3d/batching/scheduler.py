@@ -285,9 +285,7 @@ class BatchEngine:
             q = one_hot_q(d, p.shape[-1]) if draft.q is None else draft.q.to(logits.device)
             res = stochastic_accept(d, q, p, row.generator)
         if isinstance(draft, CopyDraft):  # the drafter's acceptance figures are not its business
-            c = self.copy_costs
-            c.tried[draft.bucket] += 1
-            c.tokens[draft.bucket].add(float(res.num_emitted))
+            self.copy_costs.record(draft.bucket, res.num_emitted)
             return Round(res.tokens, d.shape[0], res.num_accepted, 0.0, verify_s, copied=True)
         emitted = float(res.num_emitted)
         self.acceptance.add(emitted)
