@@ -30,6 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         doc_cache_dir=args.doc_cache_dir,
         copy=False if args.no_copy else None,
+        prefill_share=args.prefill_share,
     )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -81,6 +82,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-copy",
         action="store_true",
         help="auto requests never draft by copying their own text (D3D_COPY=0)",
+    )
+    p.add_argument(
+        "--prefill-share",
+        type=float,
+        default=None,
+        help="while requests decode, a chunk of another's prompt may cost this share of a "
+        "step's verify forward (D3D_PREFILL_SHARE, default 1.0: decoding rows at most about "
+        "twice as slow while prompts are read)",
     )
     add_model_args(p)
     p.set_defaults(func=cmd_serve)

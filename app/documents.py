@@ -3,8 +3,9 @@
 Every call from the service into the compression package goes through this module, so a change
 of that package's API is one edit here. :class:`Documents` holds one
 :class:`compression.qa.DocumentQA` per engine (compressors built once, the document cache shared
-by every request) and runs on the engine worker's thread only (it tokenises, and its scorers run
-the drafter's or the target's first layers).
+by every request) and runs on the engine worker's reader thread only, with a tokenizer of its own
+(its scorers run an int8 copy of the target's first layers or the drafter, never the target's
+own modules, so the engine thread decodes meanwhile).
 
 Kept spans are character offsets into the document: the document is tokenised once more with
 offsets (the same call compression makes, plus ``return_offsets_mapping``), and runs of kept
@@ -13,15 +14,16 @@ context tokens become ``[start, end)`` ranges.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from app.prepared import Prepared
 from compression.compressor import DEFAULT_SCORER, SCORERS
 from compression.doc_cache import DocumentCache
 from compression.qa import DocumentQA
 
-__all__ = ["DEFAULT_SCORER", "DocumentTooLarge", "Documents", "PreparedDocument", "scorers"]
+__all__ = ["DEFAULT_SCORER", "DocumentTooLarge", "Documents", "scorers"]
 
 
 class DocumentTooLarge(ValueError):
@@ -30,16 +32,6 @@ class DocumentTooLarge(ValueError):
     def __init__(self, tokens: int, limit: int):
         super().__init__(f"the document has {tokens} tokens; the limit is {limit} tokens")
         self.tokens, self.limit = tokens, limit
-
-
-@dataclass(frozen=True)
-class PreparedDocument:
-    """A QA prompt built from a compressed document, and what compression did."""
-
-    prompt_ids: list[int]
-    compression: dict
-    seconds: float
-    shared_prefix: int = 0  # the instruction and the document's head: the same for every question
 
 
 def scorers() -> tuple[str, ...]:
@@ -63,8 +55,9 @@ class Documents:
 
     def __init__(self, engine, cache_dir: str | None = None):
         self.engine = engine
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # used from the reader thread only
         cache = DocumentCache(directory=cache_dir) if cache_dir else None
-        self.qa = DocumentQA(engine, cache=cache)
+        self.qa = DocumentQA(engine, cache=cache, tokenizer=self.tokenizer)
 
     def prepare(
         self,
@@ -73,10 +66,10 @@ class Documents:
         keep_ratio: float,
         scorer: str,
         max_document_tokens: int,
-    ) -> PreparedDocument:
+    ) -> Prepared:
         """Compress ``document`` for ``question`` and build the answer prompt."""
         t0 = time.perf_counter()
-        enc = self.engine.tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)
         offsets = [tuple(o) for o in enc["offset_mapping"]]
         if len(offsets) > max_document_tokens:
             raise DocumentTooLarge(len(offsets), max_document_tokens)
@@ -90,4 +83,4 @@ class Documents:
         )
         info["document_chars"] = len(document)
         shared = comp.shared_prefix if comp.head else 0
-        return PreparedDocument(comp.parts.ids, info, time.perf_counter() - t0, shared)
+        return Prepared(comp.parts.ids, info, time.perf_counter() - t0, shared)

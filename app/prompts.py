@@ -8,12 +8,12 @@ document, 422 naming the field for a value the library refuses, 400 otherwise.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 from app import documents
 from app.errors import ApiError
-from app.worker import Models, Prepared
+from app.prepared import Prepared, PromptBuilder
+from app.worker import Models
 
 DEFAULT_KEEP_RATIO = 0.3
 
@@ -50,22 +50,19 @@ def qa(
     keep_ratio: float | None,
     scorer: str | None,
     max_document_tokens: int,
-) -> Callable[[Models], Prepared]:
+) -> PromptBuilder:
     """A document compressed for a question, in the QA prompt (see :mod:`app.documents`)."""
     ratio = DEFAULT_KEEP_RATIO if keep_ratio is None else keep_ratio
     name = scorer or documents.DEFAULT_SCORER
 
     def prepare(models: Models) -> Prepared:
-        t0 = time.perf_counter()
         try:
-            doc = models.documents.prepare(document, question, ratio, name, max_document_tokens)
+            return models.documents.prepare(document, question, ratio, name, max_document_tokens)
         except documents.DocumentTooLarge as exc:
             raise ApiError(413, str(exc), "document") from exc
         except ValueError as exc:
             msg = str(exc)
             param = "scorer" if "scorer" in msg else "document" if "document" in msg else None
             raise ApiError(422 if param else 400, msg, param) from exc
-        info = dict(doc.compression)
-        return Prepared(doc.prompt_ids, info, time.perf_counter() - t0, doc.shared_prefix)
 
-    return prepare
+    return PromptBuilder(prepare, reads_document=True)

@@ -4,7 +4,9 @@ Model settings are the library's own :class:`d3d.config.ModelConfig` (``D3D_TARG
 ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``, ``D3D_DTYPE``, ``D3D_THREADS``);
 the service adds ``D3D_HOST``, ``D3D_PORT``, ``D3D_MAX_QUEUE``, ``D3D_MAX_BATCH``,
 ``D3D_MAX_DOCUMENT_TOKENS``, ``D3D_API_KEY``, ``D3D_REQUEST_TIMEOUT`` and
-``D3D_SERVED_MODEL_NAME``, ``D3D_DOC_CACHE_DIR`` and ``D3D_COPY`` (``0``: no copy rounds).
+``D3D_SERVED_MODEL_NAME``, ``D3D_DOC_CACHE_DIR``, ``D3D_COPY`` (``0``: no copy rounds) and
+``D3D_PREFILL_SHARE`` (how much of a step's verify forward a chunk of prompt may cost while rows
+decode).
 Explicit values (flags) win over the environment.
 """
 
@@ -39,6 +41,7 @@ ENV = {
     "served_model_name": ("D3D_SERVED_MODEL_NAME", str),
     "doc_cache_dir": ("D3D_DOC_CACHE_DIR", str),
     "copy": ("D3D_COPY", _switch),
+    "prefill_share": ("D3D_PREFILL_SHARE", float),
 }
 
 
@@ -59,6 +62,7 @@ class ServeSettings:
     doc_cache_dir: str | None = None  # the document cache's disk tier (None: memory only)
     warmup: bool = True
     copy: bool = True  # auto rows may verify copies of their own text (d3d.lookup)
+    prefill_share: float = 1.0  # a prompt chunk may cost this share of a step's verify forward
 
     def __post_init__(self) -> None:
         checks = [
@@ -67,6 +71,7 @@ class ServeSettings:
             (self.max_batch >= 1, "max_batch", "must be >= 1"),
             (self.max_document_tokens >= 1, "max_document_tokens", "must be >= 1"),
             (self.request_timeout > 0, "request_timeout", "must be > 0"),
+            (self.prefill_share > 0, "prefill_share", "must be > 0"),
         ]
         for ok, name, msg in checks:
             if not ok:

@@ -1,13 +1,19 @@
-"""The engine worker: one thread owns the models; requests reach it through a bounded queue.
+"""The engine worker: one thread steps the engine; documents are read on another.
 
-The event loop never touches a model. A route builds a :class:`Job` (how to build the prompt,
-decode settings) and :meth:`EngineWorker.submit` queues it, or refuses at once with 503 and
-``Retry-After`` when ``max_queue`` jobs are already waiting. The worker thread loads the models,
-runs a tiny warm-up generation (which also calibrates the speculation policy's cost model), and
-then loops: take new jobs, build their prompts (tokenising, compressing documents), add them to
-the :class:`~d3d.batching.BatchEngine`, run one batched step. Results flow back to the job's
-asyncio queue with ``call_soon_threadsafe``. Cancelling a job (client gone, timeout) drops its
-row before the next round.
+The event loop never touches a model. A route builds a :class:`Job` (a
+:class:`~app.prepared.PromptBuilder` and decode settings) and :meth:`EngineWorker.submit`
+queues it, or refuses at once with 503 and ``Retry-After`` when ``max_queue`` jobs are already
+waiting. The engine thread loads the models, runs a tiny warm-up generation per mode (which
+also calibrates the speculation policy), and then loops: take new jobs, build the prompts of
+those that only tokenise, hand those that read a document to the reader thread, add prepared
+requests to the engine's :class:`~d3d.engine.Scheduler`, run one step. The reader thread
+compresses documents (its reader model is not the target: an int8 copy or the drafter) with a
+tokenizer of its own, so a document being read never stalls the rows that are decoding; on a
+host where the drafter has a device or core of its own, that is where this reading belongs.
+
+Results flow back to the job's asyncio queue with ``call_soon_threadsafe``. Cancelling a job
+(client gone, timeout) drops its row before the next step. A request the KV budget can never
+hold is refused with 413 naming the limit; one that does not fit now waits for running rows.
 """
 
 from __future__ import annotations
@@ -19,44 +25,37 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from app.errors import ApiError
 from app.metrics import Metrics
+from app.prepared import Prepared
 from app.settings import ServeSettings
-from d3d.batching import BatchEngine, GenRequest
 from d3d.config import SamplingConfig
-from d3d.kv_store import PrefixCache
+from d3d.engine import GenRequest, KvLimitError, PrefillBudget, Scheduler
 
 log = logging.getLogger("app.worker")
 
-
-@dataclass
-class Prepared:
-    """A job's prompt, built on the worker thread, and what building it reports."""
-
-    prompt_ids: list[int]
-    info: dict = field(default_factory=dict)
-    seconds: float = 0.0
-    shared_prefix: int = 0  # first prompt tokens other requests share (the engine caches their KV)
+__all__ = ["EngineWorker", "Job", "Models", "Prepared", "load_engine"]
 
 
 class Models:
-    """What a job's ``prepare`` may use on the worker thread: the engine, and the document
-    compressors (built on first use, then shared by every request)."""
+    """What a job's prompt builder may use: the engine, and the document compressors (built on
+    first use, then shared by every request; their tokenizer is their own)."""
 
     def __init__(self, engine, doc_cache_dir: str | None = None):
         self.engine = engine
         self.doc_cache_dir = doc_cache_dir
         self._documents = None
+        self._lock = threading.Lock()
 
     @property
     def documents(self):
-        if self._documents is None:
-            from app.documents import Documents
+        with self._lock:
+            if self._documents is None:
+                from app.documents import Documents
 
-            self._documents = Documents(self.engine, self.doc_cache_dir)
-        return self._documents
+                self._documents = Documents(self.engine, self.doc_cache_dir)
+            return self._documents
 
 
 class Job:
@@ -75,12 +74,14 @@ class Job:
             sampling,
             mode,
         )
+        self.reads_document = bool(getattr(prepare, "reads_document", False))
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.submitted = time.perf_counter()
         self.dequeued = 0.0  # the worker took it (queue time ends, prompt building starts)
-        self.admitted = 0.0  # its prompt joined the batch's waiting list
+        self.admitted = 0.0  # its prompt joined the engine's waiting list
         self.req: GenRequest | None = None
+        self.first = False
         self._cancelled = threading.Event()
 
     def put(self, kind: str, payload: object) -> None:
@@ -117,25 +118,35 @@ class EngineWorker:
         self.engine = None
         self.models: Models | None = None
         self.detokenizer = None
-        self.batch: BatchEngine | None = None
+        self.batch: Scheduler | None = None
         self.model_info: dict = {}
-        self._inbox: queue.Queue[Job] = queue.Queue()
+        self._inbox: queue.Queue = queue.Queue()  # ("job", Job) and ("ready", Job, Prepared)
+        self._reading: queue.Queue[Job | None] = queue.Queue()
+        self._pending = 0  # jobs submitted and not yet in the engine (queue depth)
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # made in start(): apps get pickled (Ray)
+        self._reader: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker thread (idempotent: an ASGI lifespan and a Ray replica may both ask)."""
+        """Start the worker threads (idempotent: an ASGI lifespan and a Ray replica may both
+        ask)."""
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="d3d-engine", daemon=True)
                 self._thread.start()
+                self._reader = threading.Thread(target=self._read, name="d3d-reader", daemon=True)
+                self._reader.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self._reading.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
 
     @property
     def ready(self) -> bool:
@@ -149,7 +160,7 @@ class EngineWorker:
             log.error("model loading failed: %s", self.error)
             return
         while not self._stop.is_set():
-            self._take_jobs(block=self.batch.idle)
+            self._take(block=self.batch.idle)
             if not self.batch.idle:
                 self.batch.step()
             self.metrics.queue_depth.set(self.queue_depth)
@@ -162,19 +173,14 @@ class EngineWorker:
         # The event loop decodes text with its own copy: a Rust tokenizer borrowed by the worker
         # thread (encoding) cannot be used from another thread at the same moment.
         self.detokenizer = copy.deepcopy(engine.tokenizer)
-        model = engine.target.model
-        # The batched engine keeps its own prefix cache: a request computes the same numbers
-        # whether or not its prefix was cached only if the entry came from the same path.
-        self.batch = BatchEngine(
-            model,
-            engine.target.eos_token_ids,
-            engine.drafter,
+        self.batch = engine.scheduler(
             max_batch=self.settings.max_batch,
-            prefix_cache=PrefixCache(tag="batch"),
-            copy=self.settings.copy,
+            prefill=PrefillBudget(share=self.settings.prefill_share),
         )
+        model = engine.target.model
         p = next(model.parameters())
         drafter = engine.drafter
+        kv = self.batch.kv
         self.model_info = {
             "target": engine.target.spec,
             "target_device": str(p.device),
@@ -184,6 +190,8 @@ class EngineWorker:
             "drafter": None if drafter is None else self.settings.model.drafter,
             "drafter_device": None if drafter is None else str(drafter.device),
             "block_size": self.batch.block_size,
+            "max_kv_tokens": kv.max_tokens,
+            "kv_bytes_per_token": kv.bytes_per_token,
             "load_seconds": round(time.perf_counter() - t0, 2),
         }
         log.info("loaded %s", self.model_info)
@@ -191,23 +199,28 @@ class EngineWorker:
             self._warmup()
         self.state = "ready"
         log.info(
-            "ready: max batch %d, max queue %d", self.settings.max_batch, self.settings.max_queue
+            "ready: max batch %d, max queue %d, KV budget %d tokens",
+            self.settings.max_batch,
+            self.settings.max_queue,
+            kv.max_tokens,
         )
 
     def _warmup(self) -> None:
-        """A tiny generation per mode: proves the models run and calibrates the cost model."""
-        ids = self.engine.encode("Say hello.", True)
-        modes = ["ar"] + (["sync"] if self.engine.drafter is not None else [])
+        """A tiny generation per mode: proves the models run and calibrates the policy."""
+        engine = self.engine
+        ids = engine.encode("Say hello.", True)
+        figures = engine.calibrate()
+        modes = ["ar"] + (["sync"] if engine.drafter is not None else [])
         for mode in modes:
             self.batch.add(GenRequest(ids, max_new_tokens=8 if mode == "ar" else 24, mode=mode))
             while not self.batch.idle:
                 self.batch.step()
-        c = self.batch.costs
+        h = engine.host
         summary = {
-            "step_ms": _ms(c.forward(1, 1)),
-            "verify_ms": _ms(c.forward(1, self.batch.block_size)),
-            "draft_ms": _ms(c.draft.value),
-            "acceptance_length": round(self.batch.acceptance.value or 1.0, 2),
+            "step_ms": _ms(h.step_s.value),
+            "verify_token_ms": _ms(h.per_token_s.value),
+            "draft_ms": _ms(h.wait_s.value),
+            "calibrated": figures is not None,
         }
         self.model_info["warmup"] = summary
         log.info("warm-up done: %s", summary)
@@ -216,7 +229,7 @@ class EngineWorker:
     @property
     def queue_depth(self) -> int:
         waiting = len(self.batch.waiting) if self.batch is not None else 0
-        return self._inbox.qsize() + waiting
+        return self._pending + waiting
 
     def submit(self, job: Job) -> None:
         if self.state == "failed":
@@ -233,45 +246,89 @@ class EngineWorker:
                 kind="server_busy",
                 headers={"Retry-After": "1"},
             )
-        self._inbox.put(job)
+        self._count(+1)
+        self._inbox.put(("job", job))
 
-    def _take_jobs(self, block: bool) -> None:
+    def _count(self, n: int) -> None:
+        with self._pending_lock:
+            self._pending += n
+
+    def _take(self, block: bool) -> None:
+        """Everything the inbox holds now (waiting a little for it when the engine is idle)."""
         try:
-            job = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._start(job)
+            if item[0] == "job":
+                self._dispatch(item[1])
+            else:
+                self._count(-1)
+                self._admit(item[1], item[2])
             try:
-                job = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _start(self, job: Job) -> None:
-        if job.cancelled:
-            return
+    def _dispatch(self, job: Job) -> None:
+        """Build a prompt that only tokenises here; send a document to the reader thread."""
         job.dequeued = time.perf_counter()
+        if job.reads_document:
+            self._reading.put(job)
+            return
+        self._count(-1)
+        prepared = self._prepare(job)
+        if prepared is not None:
+            self._admit(job, prepared)
+
+    def _read(self) -> None:
+        """The reader thread: compress documents, hand their prompts to the engine thread."""
+        while not self._stop.is_set():
+            job = self._reading.get()
+            if job is None:
+                return
+            prepared = self._prepare(job)
+            if prepared is None:
+                self._count(-1)
+            else:
+                self._inbox.put(("ready", job, prepared))
+
+    def _prepare(self, job: Job) -> Prepared | None:
+        """The job's prompt, or None after telling the client why not (or it left)."""
+        if job.cancelled:
+            return None
         try:
-            prepared = job.prepare(self.models)
-            req = GenRequest(
-                prepared.prompt_ids,
-                max_new_tokens=job.max_new_tokens,
-                sampling=job.sampling,
-                mode=job.mode,
-                shared_prefix=prepared.shared_prefix,
-                on_tokens=lambda ids: self._on_tokens(job, ids),
-                on_finish=lambda stats, err: self._on_finish(job, stats, err),
-            )
-            self.batch.add(req)
+            return job.prepare(self.models)
         except ApiError as exc:
             job.put("error", exc)
-            return
         except ValueError as exc:
             job.put("error", ApiError(400, str(exc)))
-            return
         except Exception as exc:
             log.exception("preparing a request failed")
             job.put("error", exc)
+        return None
+
+    def _admit(self, job: Job, prepared: Prepared) -> None:
+        """Add a prepared job to the engine (engine thread only)."""
+        if job.cancelled:
+            return
+        req = GenRequest(
+            prepared.prompt_ids,
+            max_new_tokens=job.max_new_tokens,
+            sampling=job.sampling,
+            mode=job.mode,
+            shared_prefix=prepared.shared_prefix,
+            copy=self.settings.copy,
+            on_tokens=lambda ids: self._on_tokens(job, ids),
+            on_finish=lambda stats, err: self._on_finish(job, stats, err),
+        )
+        try:
+            self.batch.add(req)
+        except KvLimitError as exc:
+            job.put("error", ApiError(413, str(exc), "max_new_tokens", kind="kv_limit"))
+            return
+        except ValueError as exc:
+            job.put("error", ApiError(400, str(exc)))
             return
         job.req = req
         job.admitted = time.perf_counter()
@@ -280,8 +337,8 @@ class EngineWorker:
         job.put("prepared", prepared)
 
     def _on_tokens(self, job: Job, ids: list[int]) -> None:
-        if not getattr(job, "_first", False):
-            job._first = True  # type: ignore[attr-defined]
+        if not job.first:
+            job.first = True
             self.metrics.ttft.observe(time.perf_counter() - job.submitted)
         job.put("tokens", ids)
 

@@ -101,8 +101,12 @@ class DocumentQA:
         cache: DocumentCache | None = None,
         template: str = QA_TEMPLATE,
         target_spec: str | None = None,
+        tokenizer=None,
     ):
+        """``tokenizer``: one of its own (a thread other than the engine's reads documents);
+        default the engine's."""
         self.engine = engine
+        self._tokenizer = tokenizer
         cfg = cfg or CompressionConfig()
         if cfg.attention is None:
             spec = target_spec or engine.target.spec
@@ -116,7 +120,7 @@ class DocumentQA:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._tokenizer if self._tokenizer is not None else self.engine.tokenizer
 
     def attention(self) -> DrafterAttentionScorer:
         """The one attention reader (built on first use), wired to the document cache."""

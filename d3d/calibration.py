@@ -28,13 +28,14 @@ nothing once the host has a plain step's time.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+from d3d.clock import WALL, Clock
 from d3d.config import SamplingConfig
-from d3d.decode import Drafter, TargetSession
+from d3d.decode import Drafter
+from d3d.engine.target import BatchTarget
 from d3d.policy import HostCosts, PositionStats, SpeculationPolicy
 
 PRIOR_ROUNDS = 8.0  # how many measured rounds a shipped acceptance counts as
@@ -63,12 +64,12 @@ def shipped_acceptance(drafter) -> list[float] | None:
     return [float(x) for x in shares] if shares else None
 
 
-def _median_seconds(fn, repeats: int = REPEATS) -> float:
+def _median_seconds(fn, clock: Clock, repeats: int = REPEATS) -> float:
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock.now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock.now() - t0)
     return statistics.median(times)
 
 
@@ -79,6 +80,7 @@ def calibrate(
     drafter: Drafter | None,
     block_size: int,
     on_switch: Callable[[bool], None] | None = None,
+    clock: Clock = WALL,
 ) -> dict:
     """Time a plain step, a block verify and a drafter block; enter them into ``host``.
 
@@ -89,22 +91,23 @@ def calibrate(
     switch = on_switch or (lambda _speculating: None)
     vocab = model.get_input_embeddings().num_embeddings
     ctx = [(100 + i) % vocab for i in range(CONTEXT)]
-    session = TargetSession(model)
+    # The engine's own forward (paged KV, a batch of one), on a pool of its own.
+    target = BatchTarget(model, CONTEXT + 2 * block_size, clock)
+    row = target.kv.open(CONTEXT + block_size)
     switch(False)
-    t0 = time.perf_counter()
-    session.encode(ctx)
-    read = (time.perf_counter() - t0) / len(ctx)
-    session.forward(ctx[-1:])  # the first decode-shaped forward builds its kernels
-    session.rollback(1)
+    t0 = clock.now()
+    target.forward([row], [ctx], [CONTEXT - 1])
+    read = (clock.now() - t0) / len(ctx)
+    target.kv.commit(row, CONTEXT)
 
-    def forward(n: int) -> None:
-        session.forward(ctx[-n:])
-        session.rollback(n)
+    def forward(n: int) -> None:  # verified and rolled back: nothing is committed
+        target.forward([row], [ctx[-n:]])
 
-    step = _median_seconds(lambda: forward(1))
+    forward(1)  # the first decode-shaped forward builds its kernels
+    step = _median_seconds(lambda: forward(1), clock)
     switch(True)
     forward(block_size)
-    verify = _median_seconds(lambda: forward(block_size))
+    verify = _median_seconds(lambda: forward(block_size), clock)
     host.step_s.add(step)
     host.per_token_s.add(max(verify - step, 0.0) / (block_size - 1))
     if host.read_s.value is None:
@@ -120,7 +123,7 @@ def calibrate(
             drafts.draft(grown)
 
         block()
-        out["draft_s"] = _median_seconds(block)
+        out["draft_s"] = _median_seconds(block, clock)
         host.wait_s.value, host.wait_from_cold = out["draft_s"], True
     switch(False)
     return out
@@ -133,6 +136,7 @@ def seed(
     block_size: int,
     read_cost: float = 1.0,
     on_switch: Callable[[bool], None] | None = None,
+    clock: Clock = WALL,
 ) -> dict | None:
     """Calibrate a fresh host, take the drafter's shipped acceptance, pace the first probe.
 
@@ -141,7 +145,7 @@ def seed(
     already has a plain step's time."""
     if host.step_s.value is not None:
         return None
-    figures = calibrate(host, model, drafter, block_size, on_switch)
+    figures = calibrate(host, model, drafter, block_size, on_switch, clock)
     shares = shipped_acceptance(drafter) if drafter is not None else None
     if shares and not host.accept.observed:
         host.accept = acceptance_prior(shares[: block_size - 1])

@@ -58,6 +58,13 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=None,
+        help="the target's KV budget in tokens over all requests (D3D_MAX_KV_TOKENS; default: "
+        "a share of the device's free memory); a request that can never fit is refused",
+    )
+    g.add_argument(
         "--no-pack",
         action="store_true",
         help="keep float32 CPU linear maps in PyTorch's own layout (default: prepacked for "
@@ -75,6 +82,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         threads=args.threads,
         pack=False if getattr(args, "no_pack", False) else None,
         costs_dir=_costs_dir(args),
+        max_kv_tokens=getattr(args, "max_kv_tokens", None),
     )
 
 
@@ -153,7 +161,7 @@ def _generate(engine, args: argparse.Namespace, dcfg: DecodeConfig, load_s: floa
         out["load_seconds"] = round(load_s, 3)
         print(json.dumps(out))
         return 0
-    from d3d.decode import DecodeStats
+    from d3d.stats import DecodeStats
 
     stats = DecodeStats(mode=dcfg.mode)
     ids: list[int] = []

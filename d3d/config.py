@@ -82,6 +82,7 @@ class ModelConfig:
     threads: int | None = None
     pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.packing)
     costs_dir: str | None = None  # keep auto's measured costs here between processes
+    max_kv_tokens: int | None = None  # the target's KV budget (None: from free device memory)
 
     def __post_init__(self) -> None:
         _check(bool(self.target.strip()), "target", "must not be empty")
@@ -92,6 +93,11 @@ class ModelConfig:
             f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
         )
         _check(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+        _check(
+            self.max_kv_tokens is None or self.max_kv_tokens >= 16,
+            "max_kv_tokens",
+            f"must be >= 16, got {self.max_kv_tokens}",
+        )
 
     @property
     def resolved_drafter_device(self) -> str:
@@ -102,9 +108,9 @@ class ModelConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
-        ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps) and
-        ``D3D_COSTS_DIR`` (:mod:`d3d.cost_memory`); explicit keyword overrides win when not
-        None."""
+        ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps),
+        ``D3D_COSTS_DIR`` (:mod:`d3d.cost_memory`) and ``D3D_MAX_KV_TOKENS``; explicit keyword
+        overrides win when not None."""
         env = os.environ
         values: dict[str, object] = {
             "target": env.get("D3D_TARGET", "default"),
@@ -115,6 +121,9 @@ class ModelConfig:
             "threads": int(env["D3D_THREADS"]) if env.get("D3D_THREADS") else None,
             "pack": env.get("D3D_PACK", "1").strip().lower() not in ("0", "false", "no", "off"),
             "costs_dir": env.get("D3D_COSTS_DIR") or None,
+            "max_kv_tokens": int(env["D3D_MAX_KV_TOKENS"])
+            if env.get("D3D_MAX_KV_TOKENS")
+            else None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from d3d.config import ModelConfig
+from d3d.costs import Ema
 from d3d.lookup import CopyCosts
-from d3d.pipeline.budget import Ema
 from d3d.policy import HostCosts, PositionStats
 
 log = logging.getLogger(__name__)

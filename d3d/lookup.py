@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from d3d.pipeline.budget import Ema
+from d3d.costs import Ema
+from d3d.verify import one_hot_q
 
 MAX_NGRAM = 8
 BUCKETS = 4  # match lengths 1, 2, 3 and 4-or-more are judged apart
@@ -78,13 +79,6 @@ def find_copy(
         return None
     j = int(best[-1]) + 1  # the latest of the longest matches; its continuation starts here
     return Copy(tuple(int(v) for v in x[j : min(j + k, n)]), length, j)
-
-
-def one_hot_q(draft: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The distribution a deterministic draft [K] was 'sampled' from: [K, V] one-hot rows."""
-    q = torch.zeros(draft.shape[0], vocab_size, device=draft.device)
-    q[torch.arange(draft.shape[0], device=draft.device), draft] = 1.0
-    return q
 
 
 @dataclass(frozen=True)
@@ -164,15 +158,21 @@ class CopyDrafts:
         measured time (None: not measured yet, so no copy)."""
         if step_s is None:
             return None
-        found = find_copy(tokens, self.max_len)
+        copy = self.find(tokens, self.max_len, greedy)
+        if copy is None or not self.pays(copy.bucket, step_s):
+            return None
+        return copy
+
+    def find(self, tokens: Sequence[int], k: int, greedy: bool) -> CopyDraft | None:
+        """A copy of up to ``k`` tokens, whether or not it pays (None: no earlier match)."""
+        found = find_copy(tokens, min(k, self.max_len))
         if found is None:
             return None
-        bucket = min(found.ngram, BUCKETS) - 1
-        if not self.pays(bucket, step_s):
-            return None
         d = torch.tensor(found.tokens, dtype=torch.long)
+        bucket = min(found.ngram, BUCKETS) - 1
         return CopyDraft(d, None if greedy else one_hot_q(d, self.vocab_size), bucket)
 
-    def record(self, draft: CopyDraft, emitted: int, verify_s: float) -> None:
-        """A copy round's outcome: ``emitted`` tokens in ``verify_s`` seconds."""
+    def record(self, draft: CopyDraft, emitted: int, verify_s: float | None) -> None:
+        """A copy round's outcome: ``emitted`` tokens in ``verify_s`` seconds (None: it rode
+        in a wider forward, so its time is not its own)."""
         self.costs.record(draft.bucket, emitted, verify_s)

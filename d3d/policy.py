@@ -51,15 +51,15 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from d3d.config import SamplingConfig
+from d3d.costs import Ema
 from d3d.decode import NO_DRAFT, Proposal, Proposer
 from d3d.lookup import CopyCosts, CopyDraft, CopyDrafts
-from d3d.pipeline.budget import Ema
 from d3d.verify import Acceptance
 
 LENGTHS = (1, 2, 3, 4, 6, 8, 11, 15)  # draft lengths the policy chooses among
@@ -189,23 +189,24 @@ class SpeculationPolicy:
         drafted: int,
         num_accepted: int,
         tokens: int,
-        verify_s: float,
+        verify_s: float | None,
         wait_s: float,
         first_of_run: bool,
     ) -> None:
         """A finished round: ``drafted`` drafts verified (0: a plain step), ``tokens`` emitted;
-        its target time and the wait for its draft; ``first_of_run``: the first speculative
-        round after plain ones."""
+        its target time (None: it rode in a wider forward, not its own cost) and the wait for
+        its draft; ``first_of_run``: the first speculative round after plain ones."""
         h = self.host
         if drafted == 0:
-            h.step_s.add(verify_s / max(tokens, 1))
+            if verify_s is not None:
+                h.step_s.add(verify_s / max(tokens, 1))
             self.count_plain(tokens)
             return
         self.spec_rounds += 1
         measuring = not self._known()  # the host's first rounds: a probe of their own
         self.accept.update(drafted, num_accepted)
         h.accept.update(drafted, num_accepted)
-        if h.step_s.value is not None:
+        if h.step_s.value is not None and verify_s is not None:
             h.per_token_s.add(max(verify_s - h.step_s.value, 0.0) / drafted)
         if h.wait_s.value is None or (h.wait_from_cold and not first_of_run):
             # A cold first round overstates the wait: it stands in only until a warm round
@@ -214,7 +215,7 @@ class SpeculationPolicy:
         elif not first_of_run:
             h.wait_s.add(wait_s)
         if measuring or self.probe_left > 0:  # what the next probe interval answers for
-            self.probe_spent += verify_s + wait_s
+            self.probe_spent += (verify_s or 0.0) + wait_s
             self.probe_tokens += tokens
         if self.probe_left > 0:
             self.probe_left -= 1
@@ -268,17 +269,17 @@ class SpeculationPolicy:
 class AutoProposer:
     """Speculates through ``spec`` (async or sync) as far as the policy says pays; in the rounds
     it does not, verifies a copy from the request's own text where one pays (``copies``,
-    :mod:`d3d.lookup`), else proposes nothing (a plain target step). The split of tokens is in
-    the stats (spec/ar tokens, copy rounds)."""
+    :mod:`d3d.lookup`), else proposes nothing (a plain target step). Without a ``spec`` (no
+    drafter) it only ever copies or steps. The split of tokens is in the stats (spec/ar tokens,
+    copy rounds)."""
 
     name = "auto"
 
     def __init__(
         self,
-        spec: Proposer,
+        spec: Proposer | None,
         host: HostCosts,
         max_len: int = 15,
-        on_switch: Callable[[bool], None] | None = None,
         budget: int | None = None,
         read_cost: float = 1.0,
         max_saving: float = 0.5,
@@ -290,7 +291,6 @@ class AutoProposer:
         self.spec = spec
         self.host = host
         self.max_len = max_len
-        self.on_switch = on_switch  # told when rounds turn speculative or plain (CPU budget)
         self.budget = budget
         self.read_cost = read_cost
         self.max_saving = max_saving
@@ -310,19 +310,21 @@ class AutoProposer:
         self.target_len = len(prompt_ids)
         self.prompt_len = len(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
         self.unread = self.prompt_len  # what the drafter has to read before its first block
-        self.next_len = self.policy.next_len()
+        self.next_len = self.policy.next_len() if self.spec is not None else 0
         if self.next_len > 0 and not self._catch_up_pays():
             self.next_len = 0
         if self.next_len > 0:
             self.unread = 0
-        self.spec.start(prompt_ids, sampling, generator, draft_prompt_ids, first_len=self.next_len)
+        if self.spec is not None:
+            self.spec.start(
+                prompt_ids, sampling, generator, draft_prompt_ids, first_len=self.next_len
+            )
         self.current: Proposal | None = None
         self.prev_spec = False
-        self._switch(self.next_len > 0)
 
     def propose(self, tokens: list[int]) -> Proposal:
         self.copy = None
-        if self.next_len:
+        if self.next_len and self.spec is not None:
             self.current = self.spec.propose(tokens)
         elif self.copies is not None and (
             copy := self.copies.propose(tokens, self.host.step_s.value, self.greedy)
@@ -333,10 +335,27 @@ class AutoProposer:
             self.current = NO_DRAFT
         return self.current
 
-    def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
+    def ride(self, tokens: list[int], room: int) -> Proposal | None:
+        """A copy to verify in a forward that is already ``room`` + 1 tokens wide because
+        another row drafts: it costs (almost) nothing there and emits at least the token a
+        plain step would, so it goes in whatever the copy figures say (None: no copy)."""
+        if self.copies is None or self.current is not NO_DRAFT:
+            return None
+        copy = self.copies.find(tokens, room, self.greedy)
+        if copy is None:
+            return None
+        self.copy = copy
+        self.current = Proposal(copy.tokens, copy.q, source="copy")
+        return self.current
+
+    @property
+    def speculating(self) -> bool:
+        return self.next_len > 0 and self.spec is not None and self.spec.speculating
+
+    def observe(self, acc: Acceptance, verify_s: float | None, next_len: int | None = None) -> None:
         cur = self.current
         self.produced += len(acc.tokens)
-        if cur is None:  # round 0: the prefill (of the target's prompt, not the drafter's)
+        if cur is None and verify_s is not None:  # round 0: the prefill (of the target's prompt)
             self.host.read_s.add(verify_s / max(self.target_len, 1))
         if self.copy is not None:  # a copy round: the drafter's figures are not its business
             assert self.copies is not None
@@ -356,7 +375,7 @@ class AutoProposer:
             self.prev_spec = spec
         was = self.next_len > 0
         # A worker that failed serves this request no more: plain steps to the end.
-        off = next_len == 0 or getattr(self.spec, "failed", False)
+        off = next_len == 0 or self.spec is None or getattr(self.spec, "failed", False)
         self.next_len = 0 if off else self.policy.next_len()
         if self.next_len > 0 and not was and not self._catch_up_pays():
             self.next_len = 0
@@ -364,9 +383,8 @@ class AutoProposer:
             self.unread += len(acc.tokens)
         else:
             self.unread = 0
-        if (self.next_len > 0) != was:
-            self._switch(self.next_len > 0)
-        self.spec.observe(acc, verify_s, next_len=self.next_len)
+        if self.spec is not None:
+            self.spec.observe(acc, verify_s, next_len=self.next_len)
 
     def _catch_up_pays(self) -> bool:
         """Whether the drafter's catch-up (what it has not read) could pay for itself within
@@ -382,11 +400,8 @@ class AutoProposer:
         typical = self.host.answer_len.value or 0.0
         return min(self.budget - self.produced, max(self.produced, int(typical) - self.produced))
 
-    def _switch(self, speculating: bool) -> None:
-        if self.on_switch is not None:
-            self.on_switch(speculating)
-
     def close(self) -> None:
         if self.produced > 0:
             self.host.answer_len.add(self.produced)
-        self.spec.close()
+        if self.spec is not None:
+            self.spec.close()

@@ -10,7 +10,11 @@ miss, the bonus when every draft token passes), which is what makes the output l
 - Sampling: accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first
   rejection emit a sample of ``norm(max(0, p_i - q_i))``; if all pass, emit a sample of
   ``p_{K+1}``. With ``d_i ~ q_i`` drawn independently (single-pass drafts) this reproduces the
-  target's distribution exactly.
+  target's distribution exactly. A deterministic draft (a copy of the request's own text) has a
+  one-hot q.
+
+:func:`accept` is the one place a round's logits become committed tokens, for every mode and
+every row of a batch.
 
 Letters: K draft length, V vocab.
 """
@@ -20,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from d3d.config import SamplingConfig
+from d3d.sampling import probabilities
 
 
 @dataclass(frozen=True)
@@ -94,3 +101,28 @@ def stochastic_accept(
     dist = p[k] if n == k else residual_distribution(p[n], q[n])
     last = int(torch.multinomial(dist, 1, generator=generator).item())
     return Acceptance(num_accepted=n, tokens=[int(t) for t in draft[:n].tolist()] + [last])
+
+
+def one_hot_q(draft: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The distribution a deterministic draft [K] was 'sampled' from: [K, V] one-hot rows."""
+    q = torch.zeros(draft.shape[0], vocab_size, device=draft.device)
+    q[torch.arange(draft.shape[0], device=draft.device), draft] = 1.0
+    return q
+
+
+def accept(
+    logits: torch.Tensor,
+    draft: torch.Tensor,
+    q: torch.Tensor | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """One round of one row: the target's logits [K+1, V] over ``[anchor, d_1..d_K]``, the
+    draft [K] and its q [K, V] (None: a deterministic draft, one-hot; ignored when greedy).
+    K = 0 is a plain step: the target's own token."""
+    d = draft.to(logits.device)
+    if sampling.greedy:
+        return greedy_accept(d, logits.argmax(dim=-1))
+    p = probabilities(logits, sampling)
+    q = one_hot_q(d, p.shape[-1]) if q is None else q.to(p.device, p.dtype)
+    return stochastic_accept(d, q, p, generator)

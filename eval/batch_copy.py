@@ -1,10 +1,9 @@
-"""Copy rounds in the service's batched engine: the same QA prompts with and without them.
+"""Copy rounds in the engine the service runs: the same QA prompts with and without them.
 
 The six needle questions of the 4k essay (:mod:`eval.longbench.qa_bench`) are compressed at keep
-0.1 as ``/qa`` does; two :class:`d3d.batching.BatchEngine` instances on one loaded model, one with
-copy rounds and one without, each warmed up as the service's worker does (an ``ar`` and a
-``sync`` generation), then answer every prompt alone (``--repeats`` times, the two engines
-alternating) and all six at once. Reports medians, the ratio, rounds per answer and whether the
+0.1 as ``/qa`` does; the engine's scheduler, warmed up as the service's worker does (an ``ar``
+and a ``sync`` generation), answers every prompt alone with copy rounds allowed and not
+(``--repeats`` times, alternating) and all six at once. Reports medians, the ratio, rounds per answer and whether the
 answers are identical (they must be: both are greedy decoding of the target). It times: run it
 with nothing else busy on the machine:
 
@@ -22,13 +21,14 @@ from pathlib import Path
 
 from compression.compressor import CompressionConfig
 from compression.qa import DocumentQA
-from d3d.batching import BatchEngine, GenRequest
 from d3d.config import ModelConfig
-from d3d.engine import Engine
+from d3d.engine import Engine, GenRequest, Scheduler
 from eval.longbench.qa_bench import NEEDLES, document
 
 
-def run(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list, list]:
+def run(
+    engine: Scheduler, prompts: list[list[int]], new_tokens: int, copy: bool
+) -> tuple[float, list, list]:
     """Answer ``prompts`` together; (seconds, token lists, stats)."""
     outs: list[list[int]] = [[] for _ in prompts]
     stats: list = [None] * len(prompts)
@@ -38,7 +38,14 @@ def run(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> tuple
             stats[i] = s
 
         engine.add(
-            GenRequest(list(p), new_tokens, mode="auto", on_tokens=outs[i].extend, on_finish=finish)
+            GenRequest(
+                list(p),
+                new_tokens,
+                mode="auto",
+                copy=copy,
+                on_tokens=outs[i].extend,
+                on_finish=finish,
+            )
         )
     t0 = time.perf_counter()
     while not engine.idle:
@@ -57,28 +64,25 @@ def main(argv: list[str] | None = None) -> int:
     tok = qa.tokenizer
     text = document(lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), 4)
     prompts = [qa.compress(qa.parts(text, q), 0.1).parts.ids for _, q, _ in NEEDLES]
-    engines = {}
-    for copy in (True, False):
-        be = BatchEngine(eng.target.model, eng.target.eos_token_ids, eng.drafter, copy=copy)
-        hello = eng.encode("Say hello.", True)
-        for mode in ("ar", "sync"):  # the service worker's warm-up
-            be.add(GenRequest(hello, max_new_tokens=8 if mode == "ar" else 24, mode=mode))
-            while not be.idle:
-                be.step()
-        engines[copy] = be
+    be = eng.scheduler()
+    hello = eng.encode("Say hello.", True)
+    eng.calibrate()
+    for mode in ("ar", "sync"):  # the service worker's warm-up
+        be.add(GenRequest(hello, max_new_tokens=8 if mode == "ar" else 24, mode=mode))
+        while not be.idle:
+            be.step()
     alone: dict[bool, list[float]] = {True: [], False: []}
     rounds: dict[bool, list[int]] = {True: [], False: []}
     answers: dict[tuple[bool, int], list[int]] = {}
     for _ in range(args.repeats):
         for i, prompt in enumerate(prompts):
             for copy in (True, False):
-                s, out, st = run(engines[copy], [prompt], args.max_new_tokens)
+                s, out, st = run(be, [prompt], args.max_new_tokens, copy)
                 alone[copy].append(s)
                 rounds[copy].append(st[0].rounds)
                 answers.setdefault((copy, i), out[0])
     together = {
-        c: [run(engines[c], prompts, args.max_new_tokens)[0] for _ in range(3)]
-        for c in (True, False)
+        c: [run(be, prompts, args.max_new_tokens, c)[0] for _ in range(3)] for c in (True, False)
     }
     med = {c: statistics.median(alone[c]) for c in (True, False)}
     both = {c: statistics.median(together[c]) for c in (True, False)}

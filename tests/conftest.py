@@ -115,5 +115,21 @@ class OracleDrafter:
     def __init__(self, target: PreTrainedModel, block_size: int = 16, wrong: bool = False):
         self.target, self.k, self.wrong = target, block_size - 1, wrong
 
+    @property
+    def block_size(self) -> int:
+        return self.k + 1
+
     def session(self, sampling, generator) -> _OracleSession:
         return _OracleSession(self.target, self.k, self.wrong)
+
+
+def tiny_engine(model: PreTrainedModel, drafter=None, block_size: int | None = None):
+    """The library's :class:`~d3d.engine.Engine` over a tiny model and a made-up tokenizer
+    (``block_size``: the copy rounds' block when there is no drafter)."""
+    from d3d.engine import Engine
+    from d3d.models import LoadedModel
+
+    engine = Engine(LoadedModel(model, tiny_tokenizer(model.config.vocab_size), "tiny"), drafter)
+    if block_size is not None:
+        engine.default_block = block_size
+    return engine

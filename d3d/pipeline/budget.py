@@ -10,20 +10,7 @@ token forward either way) and picks the largest n with ``t(n) <= safety * t_veri
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-
-
-@dataclass
-class Ema:
-    """Exponential moving average; ``value`` is None until the first observation."""
-
-    alpha: float = 0.2
-    value: float | None = None
-
-    def add(self, x: float) -> float:
-        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
-        return self.value
+from d3d.costs import Ema, LinearCost
 
 
 class BranchBudget:
@@ -36,36 +23,27 @@ class BranchBudget:
         self.safety = safety
         self.start = min(start, max_branches)
         self.verify = Ema()
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.cost = LinearCost(window)
 
     def observe_verify(self, seconds: float) -> None:
         if seconds > 0:
             self.verify.add(seconds)
 
     def observe_cost(self, n: int, seconds: float) -> None:
-        self.samples.append((n, seconds))
+        self.cost.observe(n, seconds)
 
     def cost_model(self) -> tuple[float, float] | None:
-        """(a, b) of t(n) = a + b n, or None before any measurement."""
-        if not self.samples:
-            return None
-        ns = [n for n, _ in self.samples]
-        ts = [t for _, t in self.samples]
-        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
-        var = sum((n - mean_n) ** 2 for n in ns)
-        if var > 0:
-            b = sum((n - mean_n) * (t - mean_t) for n, t in self.samples) / var
-            if b > 0:
-                return mean_t - b * mean_n, b
-        unit = mean_t / (1 + mean_n)
-        return unit, unit
+        """(a, b) of t(n) = a + b n for one row, or None before any measurement."""
+        return self.cost.fit()
 
-    def choose(self) -> int:
+    def choose(self, rows: int = 1) -> int:
+        """Branches per row when ``rows`` rows share the verify: their chains and branches,
+        drafted one row after another, must all end before the batched verify does."""
         model = self.cost_model()
         if model is None or self.verify.value is None:
             return self.start
         a, b = model
-        n = int((self.safety * self.verify.value - a) // b)
+        n = int((self.safety * self.verify.value - rows * a) // (b * rows))
         return max(0, min(self.max_branches, n))
 
     def summary(self) -> dict:

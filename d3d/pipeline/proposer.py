@@ -24,7 +24,7 @@ import torch
 
 from d3d.config import SamplingConfig
 from d3d.decode import NO_DRAFT, Proposal
-from d3d.pipeline.protocol import Block, Close, Commit, Failed, Open
+from d3d.pipeline.protocol import Block, Close, Commit, Commits, Failed, Open
 from d3d.verify import Acceptance
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,44 @@ class WorkerLink(Protocol):
     def send(self, msg: object) -> None: ...
 
     def recv(self, sid: int, timeout: float) -> object | None: ...
+
+
+class BatchedLink:
+    """A link that holds back each row's :class:`Commit` until :meth:`flush`, then sends a
+    step's commits as one :class:`Commits` message: the worker answers every row's block first
+    and then prepares every row's branches, within one budget, while the batched verify runs.
+    Other messages go out at once (an ``Open`` lets the worker start reading a prompt while the
+    target reads it too)."""
+
+    def __init__(self, link: WorkerLink):
+        self.link = link
+        self.pending: list[Commit] = []
+
+    @property
+    def alive(self) -> bool:
+        return self.link.alive
+
+    def new_session(self) -> int:
+        return self.link.new_session()
+
+    def end_session(self, sid: int) -> None:
+        self.link.end_session(sid)
+
+    def send(self, msg: object) -> None:
+        if isinstance(msg, Commit):
+            self.pending.append(msg)
+        else:
+            self.link.send(msg)
+
+    def recv(self, sid: int, timeout: float) -> object | None:
+        return self.link.recv(sid, timeout)
+
+    def flush(self) -> None:
+        """Send the held commits (a worker that is gone fails its rows at their next block)."""
+        if self.pending:
+            msgs, self.pending = self.pending, []
+            with contextlib.suppress(ConnectionError, OSError):
+                self.link.send(Commits(msgs))
 
 
 class AsyncProposer:
@@ -98,18 +136,23 @@ class AsyncProposer:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(62)
         self._send(Open(self.sid, prompt, sampling, seed, prepare=first_len != 0))
 
-    def observe(self, acc: Acceptance, verify_s: float, next_len: int | None = None) -> None:
+    @property
+    def speculating(self) -> bool:
+        return not self.failed
+
+    def observe(self, acc: Acceptance, verify_s: float | None, next_len: int | None = None) -> None:
         self.committed += len(acc.tokens)
-        self.last_target_s = verify_s
+        if verify_s is not None:
+            self.last_target_s = verify_s
         if self.per_token_s is None:  # the first round is the prefill
-            self.per_token_s = verify_s / max(self.target_len, 1)
+            self.per_token_s = self.last_target_s / max(self.target_len, 1)
         if next_len == 0:  # the worker will not read these until a block is wanted
             self.unread += len(acc.tokens)
         if self.failed:
             return
         self.expect = self.committed if next_len != 0 else None
         self.next_len = next_len
-        self._send(Commit(self.sid, list(acc.tokens), verify_s, next_len))
+        self._send(Commit(self.sid, list(acc.tokens), verify_s or 0.0, next_len))
 
     def propose(self, tokens: list[int]) -> Proposal:
         if self.failed or self.expect is None:

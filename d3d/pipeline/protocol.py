@@ -6,7 +6,8 @@ frozen dataclass that pickles cheaply, so the same objects travel over a thread 
 to another process, or a test's fake link.
 
 Target -> worker: :class:`Open` (a request's drafter prompt), :class:`Commit` (the tokens a
-round committed, and how much of a block the next round wants), :class:`Close`.
+round committed, and how much of a block the next round wants) or :class:`Commits` (one step's
+commits of every row in a batch), :class:`Close`.
 Worker -> target: :class:`Ready` once the drafter is loaded, :class:`Block` (the draft for the
 committed length ``pos``), :class:`Failed`.
 """
@@ -47,6 +48,14 @@ class Commit:
     @property
     def wants_block(self) -> bool:
         return self.next_len != 0
+
+
+@dataclass(frozen=True)
+class Commits:
+    """One engine step's commits, every speculating row's at once (see
+    :class:`~d3d.pipeline.proposer.BatchedLink`)."""
+
+    items: list[Commit]
 
 
 @dataclass(frozen=True)

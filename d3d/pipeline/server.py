@@ -30,7 +30,7 @@ from d3d.drafter import D3DDrafter
 from d3d.pipeline.branches import choose_branches
 from d3d.pipeline.budget import BranchBudget
 from d3d.pipeline.drafting import draft_branches, encode_chain
-from d3d.pipeline.protocol import Block, Close, Commit, Failed, Open
+from d3d.pipeline.protocol import Block, Close, Commit, Commits, Failed, Open
 from d3d.sampling import probabilities
 from d3d.session import rewind
 
@@ -89,47 +89,67 @@ class DraftServer:
                 if msg.prepare:
                     self._prepare(sess, None, None)
             elif isinstance(msg, Commit):
-                sess = self.sessions.get(msg.sid)
-                if sess is not None:
-                    yield from self._commit(msg, sess)
+                yield from self._commits([msg])
+            elif isinstance(msg, Commits):
+                yield from self._commits(msg.items)
             elif isinstance(msg, Close):
                 self.sessions.pop(msg.sid, None)
             else:
                 raise TypeError(f"unknown message {type(msg).__name__}")
         except Exception as exc:  # a failure ends this session, never the worker
-            log.exception("drafter worker: session %s failed", sid)
-            self.sessions.pop(sid, None)
-            yield Failed(sid, f"{type(exc).__name__}: {exc}")
+            yield self._failed(sid, exc)
 
-    def _commit(self, msg: Commit, sess: _Session) -> Iterator[object]:
-        before = len(sess.committed)
-        sess.committed += msg.tokens
-        if sess.commits:  # the first commit carries the prefill's time, not a verify's
-            self.budget.observe_verify(msg.verify_s)
-        sess.commits += 1
-        offered = len(sess.branches)
-        prepared = sess.branches.get((before, len(msg.tokens) - 1, msg.tokens[-1]))
-        sess.branches = {}
-        if not msg.wants_block:
-            # A plain target step follows. The cache catches up only when a block is next
-            # wanted (one forward over everything pending, inside that round's draft): a
-            # drafter that reads along at every plain step would take a core from the target.
-            return
-        t0 = self.clock()
-        hit = prepared is not None  # no branch prepared (budget 0) is a miss too
-        if prepared is None:  # a miss: draft now, the synchronous way
-            prepared = self._draft_now(sess)
-        yield Block(
-            sid=msg.sid,
-            pos=len(sess.committed),
-            tokens=prepared.tokens,
-            hit=hit,
-            branches=offered,
-            work_s=self.clock() - t0,
-            q_ids=prepared.q_ids,
-            q_probs=prepared.q_probs,
-        )
-        self._prepare(sess, prepared, msg.next_len)
+    def _failed(self, sid: int | None, exc: Exception) -> Failed:
+        log.exception("drafter worker: session %s failed", sid)
+        self.sessions.pop(sid, None)  # type: ignore[arg-type]
+        return Failed(sid, f"{type(exc).__name__}: {exc}")
+
+    def _commits(self, msgs: list[Commit]) -> Iterator[object]:
+        """One step's commits: every row's block first (hits at once, then the misses drafted),
+        then every row's branches within one budget, while the target verifies the blocks."""
+        live = [(m, self.sessions[m.sid]) for m in msgs if m.sid in self.sessions]
+        verify = [m.verify_s for m, sess in live if sess.commits]  # commit 0 is the prefill
+        if verify:
+            self.budget.observe_verify(max(verify))
+        wanted: list[tuple[Commit, _Session, Prepared | None, int]] = []
+        for msg, sess in live:
+            before = len(sess.committed)
+            sess.committed += msg.tokens
+            sess.commits += 1
+            offered = len(sess.branches)
+            prepared = sess.branches.get((before, len(msg.tokens) - 1, msg.tokens[-1]))
+            sess.branches = {}
+            # Without a block wanted a plain target step follows. The cache catches up only when
+            # a block is next wanted (one forward over everything pending, inside that round's
+            # draft): a drafter that reads along at every plain step would take a core from the
+            # target.
+            if msg.wants_block:
+                wanted.append((msg, sess, prepared, offered))
+        wanted.sort(key=lambda w: w[2] is None)  # hits go out before any miss is drafted
+        ready: list[tuple[int, _Session, Prepared, int | None]] = []
+        for msg, sess, prepared, offered in wanted:
+            t0 = self.clock()
+            try:
+                block = prepared if prepared is not None else self._draft_now(sess)
+            except Exception as exc:
+                yield self._failed(msg.sid, exc)
+                continue
+            yield Block(
+                sid=msg.sid,
+                pos=len(sess.committed),
+                tokens=block.tokens,
+                hit=prepared is not None,  # no branch prepared (budget 0) is a miss too
+                branches=offered,
+                work_s=self.clock() - t0,
+                q_ids=block.q_ids,
+                q_probs=block.q_probs,
+            )
+            ready.append((msg.sid, sess, block, msg.next_len))
+        for sid, sess, block, length in ready:
+            try:
+                self._prepare(sess, block, length, rows=len(ready))
+            except Exception as exc:
+                yield self._failed(sid, exc)
 
     # ----- cache bookkeeping ------------------------------------------------------------
     def _rewind(self, sess: _Session) -> list[int]:
@@ -165,11 +185,14 @@ class DraftServer:
         return Prepared(tokens, scores, q_ids, vals.float().cpu().numpy())
 
     @torch.inference_mode()
-    def _prepare(self, sess: _Session, block: Prepared | None, length: int | None) -> None:
+    def _prepare(
+        self, sess: _Session, block: Prepared | None, length: int | None, rows: int = 1
+    ) -> None:
         """Draft the branches for the most likely outcomes of the verification of ``block``
         (None: of the prefill, i.e. the first answer token) of which the target verifies the
         first ``length`` drafts (None: all), and encode as much of the draft chain as they
-        need, all in one forward (see :mod:`d3d.pipeline.drafting`)."""
+        need, all in one forward (see :mod:`d3d.pipeline.drafting`). ``rows``: how many rows
+        share this verification's budget."""
         d = self.drafter
         t0 = self.clock()
         pending, anchor = self._rewind(sess), sess.committed[-1]
@@ -192,7 +215,7 @@ class DraftServer:
             draft_idx = d.draft_index.to(dist.device)[draft_idx].clamp_min(0)
         n = self.cfg.fixed_branches
         outcomes = choose_branches(
-            draft_idx, dist, self.budget.choose() if n is None else n, self.cfg.cover
+            draft_idx, dist, self.budget.choose(rows) if n is None else n, self.cfg.cover
         )
         m = max((o.k for o in outcomes), default=0)
         chain = [*pending, anchor, *drafts[:m]] if block is not None else []

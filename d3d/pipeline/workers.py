@@ -156,7 +156,12 @@ class ThreadWorker(WorkerClient):
         self._thread.start()
 
     def _run(self) -> None:
-        self._outbox.put(Ready({"kind": "thread", "device": str(self.server.drafter.device)}))
+        try:
+            device = str(self.server.drafter.device)
+        except Exception as exc:  # reported once; the engine goes on without speculation
+            self._outbox.put(Failed(None, f"{type(exc).__name__}: {exc}"))
+            return
+        self._outbox.put(Ready({"kind": "thread", "device": device}))
         serve(self.server, self._inbox.get, self._outbox.put)
 
     def close(self) -> None:

@@ -21,13 +21,13 @@ class Paused:
         self.worker = worker
 
     def __enter__(self):
-        self.original = self.worker._take_jobs
-        self.worker._take_jobs = lambda block: time.sleep(0.02)
+        self.original = self.worker._take
+        self.worker._take = lambda block: time.sleep(0.02)
         time.sleep(0.4)  # let a take already waiting on the inbox (0.2 s at most) return
         return self
 
     def __exit__(self, *exc):
-        self.worker._take_jobs = self.original
+        self.worker._take = self.original
 
 
 def test_api_key_is_required_when_set():

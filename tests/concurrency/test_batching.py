@@ -1,16 +1,28 @@
-"""The batched engine on tiny random models: every row's greedy output equals plain greedy decoding
-of the target alone, whatever shares the batch, whenever it joins, whatever the drafter does."""
+"""The engine's scheduler on tiny random models: every row's greedy output equals plain greedy
+decoding of the target alone, whatever shares the batch, whenever it joins, whatever the drafter
+does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from d3d.batching import BatchEngine, GenRequest
-from d3d.batching.cache import RowCache
 from d3d.config import SamplingConfig
 from d3d.drafter import D3DDrafter
-from tests.conftest import TINY_VOCAB, OracleDrafter, greedy_continuation, tiny_model
+from d3d.engine import GenRequest, Scheduler
+from d3d.engine.kv import PAGE, KvLimitError, PagedKV
+from tests.conftest import (
+    TINY_VOCAB,
+    OracleDrafter,
+    greedy_continuation,
+    tiny_engine,
+    tiny_model,
+)
+
+
+def make(model, drafter=None, block_size=16, max_batch=32, **kw) -> Scheduler:
+    return tiny_engine(model, drafter, block_size).scheduler(max_batch=max_batch, **kw)
+
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 45)), [5, 5, 5], [60, 61]]
 
@@ -37,7 +49,7 @@ class Collector:
         self.stats, self.error = stats, error
 
 
-def run_staggered(engine: BatchEngine, modes, budgets) -> list[Collector]:
+def run_staggered(engine: Scheduler, modes, budgets) -> list[Collector]:
     """Two requests start together, the rest join while they run (continuous batching)."""
     out = [Collector() for _ in PROMPTS]
     for i in (0, 1):
@@ -62,8 +74,10 @@ def test_batched_greedy_equals_alone(kind, drafter_kind):
         "wrong": OracleDrafter(model, block_size=6, wrong=True),
         "untrained": D3DDrafter.from_target(model, 1, base="tiny"),
     }[drafter_kind]
-    engine = BatchEngine(model, {model.config.eos_token_id}, drafter, block_size=6, max_batch=3)
-    modes = ["sync", "ar", "auto", "sync", "sync"]
+    engine = make(model, drafter, block_size=6, max_batch=3)
+    modes = (
+        ["sync", "ar", "auto", "sync", "sync"] if drafter else ["auto", "ar", "auto", "auto", "ar"]
+    )
     budgets = [20, 25, 30, 9, 17]
     out = run_staggered(engine, modes, budgets)
     for i, c in enumerate(out):
@@ -88,7 +102,8 @@ def test_eos_inside_a_block_stops_the_row():
     model = tiny_model("llama", seed=3)
     ref = greedy_continuation(model, PROMPTS[0], 40)
     eos = ref[7]  # make a token the model emits early count as EOS
-    engine = BatchEngine(model, {eos}, OracleDrafter(model, block_size=8), block_size=8)
+    engine = make(model, OracleDrafter(model, block_size=8))
+    engine.eos_ids = {eos}
     c = Collector()
     engine.add(c.request(PROMPTS[0], 40, "sync"))
     while not engine.idle:
@@ -99,7 +114,7 @@ def test_eos_inside_a_block_stops_the_row():
 
 def test_cancel_drops_only_that_row():
     model = tiny_model("llama", seed=1)
-    engine = BatchEngine(model, {model.config.eos_token_id}, max_batch=4)
+    engine = make(model, max_batch=4)
     a, b = Collector(), Collector()
     ra = a.request(PROMPTS[0], 30)
     engine.add(ra)
@@ -115,7 +130,7 @@ def test_cancel_drops_only_that_row():
 
 def test_window_and_empty_prompt_are_refused_with_the_lengths():
     model = tiny_model("llama", seed=1, window=64)
-    engine = BatchEngine(model, {model.config.eos_token_id}, block_size=16)
+    engine = make(model, block_size=16)
     with pytest.raises(ValueError, match=r"prompt \(40 tokens\).*max_new_tokens \(20\).*64-token"):
         engine.add(GenRequest(list(range(1, 41)), max_new_tokens=20))
     with pytest.raises(ValueError, match="empty"):
@@ -125,7 +140,8 @@ def test_window_and_empty_prompt_are_refused_with_the_lengths():
 def test_sampling_rows_run_and_stay_in_vocab():
     model = tiny_model("qwen3", seed=2)
     drafter = D3DDrafter.from_target(model, 1, base="tiny")
-    engine = BatchEngine(model, set(), drafter, max_batch=4)
+    engine = make(model, drafter, max_batch=4)
+    engine.eos_ids = set()
     outs = [Collector() for _ in range(3)]
     for i, c in enumerate(outs):
         s = SamplingConfig(temperature=0.8, top_p=0.9, seed=i)
@@ -137,25 +153,36 @@ def test_sampling_rows_run_and_stay_in_vocab():
     assert outs[1].stats.num_drafts > 0
 
 
-def test_row_cache_rolls_rows_back_independently_and_moves_rows():
-    cache = RowCache(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+def test_paged_kv_rolls_rows_back_independently_and_grows_each_row_alone():
+    kv = PagedKV(
+        num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", max_tokens=8 * PAGE
+    )
+    a, b = kv.open(3 * PAGE), kv.open(PAGE)
     with torch.inference_mode():
-        pos, mask = cache.begin(0, 2, 3)
-        cache.update(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2), 0)
-        cache.commit(0, 3)
-        cache.commit(1, 1)  # row 1 keeps one of three written positions (rollback)
-        assert cache.lengths[:2] == [3, 1]
-        pos, mask = cache.begin(0, 2, 2)
+        pos, mask = kv.begin([a, b], [3, 3])
+        kv.update(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2), 0)
+        kv.commit(a, 3)
+        kv.commit(b, 1)  # row b keeps one of three written positions (rollback)
+        assert (a.length, b.length) == (3, 1)
+        pos, mask = kv.begin([a, b], [2, 2])
         assert pos.tolist() == [[3, 4], [1, 2]]
-        # row 1's second query sees keys 0..2 only: its stale positions past length are hidden
+        # row b's second query sees keys 0..2 only: its stale positions past length are hidden
         assert mask[1, 0, 1].tolist() == [True, True, True, False, False]
-        k, _ = cache.update(torch.full((2, 1, 2, 2), 2.0), torch.zeros(2, 1, 2, 2), 0)
+        k, _ = kv.update(torch.full((2, 1, 2, 2), 2.0), torch.zeros(2, 1, 2, 2), 0)
         assert k.shape == (2, 1, 5, 2)
-        assert k[1, 0, :, 0].tolist()[:3] == [1.0, 2.0, 2.0]
-        cache.commit(1, 2)
-        cache.move(1, 0)
-        assert cache.lengths[:2] == [3, 0]
-        assert cache.k[0][0, 0, :3, 0].tolist() == [1.0, 2.0, 2.0]
+        assert k[1, 0, :3, 0].tolist() == [1.0, 2.0, 2.0]
+        kv.commit(b, 2)
+        # a long row takes pages of its own; the short row keeps its one page
+        kv.begin([a], [2 * PAGE])
+        kv.update(torch.ones(1, 1, 2 * PAGE, 2), torch.ones(1, 1, 2 * PAGE, 2), 0)
+        kv.commit(a, 2 * PAGE)
+        assert len(a.pages) == 3 and len(b.pages) == 1
+        assert kv.snapshot(b).layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 2.0]
+    assert not kv.fits(5 * PAGE)  # 4 of 8 pages are reserved
+    with pytest.raises(KvLimitError, match=f"KV limit is {8 * PAGE} tokens"):
+        kv.check(9 * PAGE)
+    kv.close(a)
+    assert kv.fits(7 * PAGE)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -163,11 +190,9 @@ def test_a_shared_prefix_is_encoded_once_and_reused_with_the_same_numbers(kind):
     """Questions about one document: the instruction and document head are encoded on their own
     the first time, taken from the prefix cache after, and every row still decodes as the
     target alone; rows with and without a shared prefix share the batch."""
-    from d3d.kv_store import PrefixCache
-
     model = tiny_model(kind, seed=1)
-    cache = PrefixCache(tag="batch")
-    engine = BatchEngine(model, {model.config.eos_token_id}, None, max_batch=4, prefix_cache=cache)
+    engine = make(model, max_batch=4)
+    cache = engine.prefix_cache
     head = list(range(20, 44))
     prompts = [[*head, 5, 6, 7], [*head, 9, 10], [3, 4, 5, 6], [*head, 11]]
     out = [Collector() for _ in prompts]
@@ -190,7 +215,7 @@ def test_a_shared_prefix_is_encoded_once_and_reused_with_the_same_numbers(kind):
     assert [c.stats.cached_prompt_tokens for c in out] == [0, len(head), 0, len(head)]
     assert len(cache) == 1 and cache.stats()["hits"] == 2
     # the reused KV is exactly what encoding the prefix on its own gives
-    alone = BatchEngine(model, {model.config.eos_token_id}, None, prefix_cache=PrefixCache())
+    alone = make(model)
     solo = Collector()
     req = solo.request(prompts[1], 12, "ar")
     req.shared_prefix = len(head)
@@ -216,7 +241,7 @@ def test_auto_rows_verify_copies_of_their_own_text_and_stay_exact(kind):
         (None, ["auto", "auto", "ar"]),
         (OracleDrafter(model, block_size=6, wrong=True), ["auto", "sync", "ar"]),
     ):
-        engine = BatchEngine(model, {model.config.eos_token_id}, drafter, block_size=6)
+        engine = make(model, drafter, block_size=6)
         out = [Collector() for _ in prompts]
         for c, p, m in zip(out, prompts, modes, strict=True):
             engine.add(c.request(p, 24, m))
@@ -227,10 +252,11 @@ def test_auto_rows_verify_copies_of_their_own_text_and_stay_exact(kind):
             assert c.tokens == greedy_continuation(model, prompts[i], len(c.tokens)), f"row {i}"
         assert out[0].stats.copy_drafts > 0
         assert out[2].stats.copy_drafts == 0  # ar
-        assert sum(engine.copy_costs.tried) == sum(c.stats.copy_drafts for c in out)
-    off = BatchEngine(model, {model.config.eos_token_id}, None, block_size=6, copy=False)
+    off = make(model, block_size=6)
     c = Collector()
-    off.add(c.request(prompts[0], 24, "auto"))
+    req = c.request(prompts[0], 24, "auto")
+    req.copy = False
+    off.add(req)
     while not off.idle:
         off.step()
     assert c.stats.copy_drafts == 0 and c.tokens == out[0].tokens
@@ -238,7 +264,8 @@ def test_auto_rows_verify_copies_of_their_own_text_and_stay_exact(kind):
 
 def test_sampled_auto_rows_with_copies_run_and_stay_in_vocab():
     model = tiny_model("qwen3", seed=2)
-    engine = BatchEngine(model, set(), None, block_size=6, max_batch=4)
+    engine = make(model, block_size=6, max_batch=4)
+    engine.eos_ids = set()
     outs = [Collector() for _ in range(2)]
     for i, c in enumerate(outs):
         s = SamplingConfig(temperature=0.7, seed=i)

@@ -1,14 +1,13 @@
-"""The batched engine on the real embedded target (SmolLM2-135M, fp32 CPU): rows joining at
-different rounds, in ar / auto / sync modes, produce exactly the target's plain greedy output
-(the library's own `ar` decode loop, one request at a time)."""
+"""The engine's scheduler on the real embedded target (SmolLM2-135M, fp32 CPU): rows joining at
+different steps, in ar / auto / sync / async modes, produce exactly the target's plain greedy
+output (the same engine, one request at a time)."""
 
 from __future__ import annotations
 
 import pytest
 
-from d3d.batching import BatchEngine, GenRequest
 from d3d.config import DecodeConfig, ModelConfig
-from d3d.engine import Engine
+from d3d.engine import Engine, GenRequest
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +27,10 @@ def engine():
 def test_batched_rows_equal_plain_greedy(engine):
     n = 24
     ref = [engine.generate(p, DecodeConfig(mode="ar", max_new_tokens=n)).token_ids for p in PROMPTS]
-    batch = BatchEngine(engine.target.model, engine.target.eos_token_ids, engine.drafter)
+    batch = engine.scheduler()
     outs: list[list[int]] = [[] for _ in PROMPTS]
     stats = [None] * len(PROMPTS)
-    modes = ["ar", "auto", "sync", "sync"]
+    modes = ["ar", "auto", "sync", "async"]
 
     def add(i: int) -> None:
         def done(s, err, i=i):

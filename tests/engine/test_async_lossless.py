@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from d3d.config import DecodeConfig, ModelConfig, SamplingConfig
-from d3d.decode import ArProposer, DecodeStats, decode
+from d3d.decode import ArProposer
 from d3d.drafter import D3DDrafter
+from d3d.engine import decode
 from d3d.pipeline import AsyncProposer, ServerConfig, ThreadWorker
 from d3d.policy import AutoProposer, HostCosts
+from d3d.stats import DecodeStats
 from tests.concurrency.fakes import ScriptedWorker
 from tests.conftest import (
     TINY_VOCAB,

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from d3d.config import DecodeConfig
-from d3d.decode import ArProposer, DecodeStats, SyncProposer, decode
+from d3d.decode import ArProposer, SyncProposer
 from d3d.drafter import D3DDrafter
+from d3d.engine import decode
+from d3d.stats import DecodeStats
 from tests.conftest import OracleDrafter, greedy_continuation, tiny_model
 
 PROMPTS = [[1, 5, 9, 22, 7], [3] * 12, list(range(2, 40))]

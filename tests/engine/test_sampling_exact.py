@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from d3d.config import DecodeConfig, SamplingConfig
-from d3d.decode import ArProposer, SyncProposer, decode
+from d3d.decode import ArProposer, SyncProposer
 from d3d.drafter import D3DDrafter
+from d3d.engine import decode
 from d3d.sampling import probabilities
 from tests.conftest import tiny_model
 

@@ -9,8 +9,10 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from d3d.config import DecodeConfig
-from d3d.decode import ArProposer, DecodeStats, SyncProposer, decode
+from d3d.decode import ArProposer, SyncProposer
 from d3d.drafter import D3DDrafter, DraftSession
+from d3d.engine import decode
+from d3d.stats import DecodeStats
 from d3d.training.accept import block_predictions, offline_acceptance
 from d3d.training.objectives import LossConfig, Packed, block_labels, packed_forward
 from d3d.training.train import TrainConfig, train

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from d3d.calibration import acceptance_prior, seed, shipped_acceptance
+from d3d.costs import Ema
 from d3d.drafter import D3DDrafter
-from d3d.pipeline.budget import Ema
 from d3d.policy import HostCosts, SpeculationPolicy, expected_tokens
 from tests.conftest import tiny_model
 

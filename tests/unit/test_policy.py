@@ -123,7 +123,8 @@ def test_many_short_requests_with_an_expensive_drafter_stay_near_ar():
 
 def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed():
     """A drafter that pays, then its worker fails: plain steps to the end of the request, and
-    the CPU budget is told each switch (speculating, then plain)."""
+    the proposer says when it needs the drafter's cores (speculating, then plain), which is
+    what the engine sizes the target's CPU budget from after every step."""
     import torch
 
     from d3d.decode import NO_DRAFT, Proposal
@@ -132,6 +133,7 @@ def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed(
 
     class Spec:
         failed = False
+        speculating = True
 
         def start(self, *args, first_len=None):
             self.first_len = first_len
@@ -146,17 +148,17 @@ def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed(
             pass
 
     host = _paying_host()
-    switches, spec = [], Spec()
-    auto = AutoProposer(spec, host, on_switch=switches.append)
+    spec = Spec()
+    auto = AutoProposer(spec, host)
     auto.start([1, 2, 3], SamplingConfig(), None)
-    assert spec.first_len > 0 and switches == [True]
+    assert spec.first_len > 0 and auto.speculating
     auto.observe(Acceptance(0, [7]), 0.1)  # the prefill
     assert auto.propose([]).k > 0
     auto.observe(Acceptance(15, list(range(16))), STEP + 15 * PER_TOKEN)
     spec.failed = True
     auto.propose([])
     auto.observe(Acceptance(0, [9]), STEP)
-    assert auto.next_len == 0 and spec.next_len == 0 and switches == [True, False]
+    assert auto.next_len == 0 and spec.next_len == 0 and not auto.speculating
     for _ in range(200):  # no probe ever again in this request
         assert auto.propose([]).k == 0
         auto.observe(Acceptance(0, [9]), STEP)

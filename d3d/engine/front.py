@@ -29,17 +29,24 @@ from pathlib import Path
 import torch
 
 from d3d.calibration import seed
+from d3d.clock import Clock
 from d3d.config import DEFAULT_BLOCK_SIZE, DecodeConfig, ModelConfig
 from d3d.cost_memory import costs_path, load_costs, save_costs
-from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, TargetSession, decode
+from d3d.decode import ArProposer, Proposer, SyncProposer
 from d3d.drafter import D3DDrafter, DrafterError
+from d3d.engine.kv import default_kv_tokens
+from d3d.engine.request import GenRequest, Row
+from d3d.engine.scheduler import PrefillBudget, Scheduler
+from d3d.engine.stream import stream
 from d3d.kv_store import PrefixCache
 from d3d.lookup import CopyDrafts
 from d3d.models import DEFAULT_SPECS, LoadedModel, ModelLoadError, encode_prompt, load_target
 from d3d.packing import pack_linears
 from d3d.pipeline import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
+from d3d.pipeline.proposer import BatchedLink
 from d3d.placement import Placement, PlacementError, parse_cores, resolve_placement
 from d3d.policy import AutoProposer, HostCosts
+from d3d.stats import DecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +195,15 @@ class Engine:
         self._worker_lock = threading.Lock()
         self._cpu: _CpuBudget | None = None  # set while a drafter process holds cores
         self.manage_cpu = True  # False: the caller sets this process's CPU budget itself
-        if drafter is not None and drafter.meta.vocab_size not in (0, target.vocab_size):
+        self._cpu_state: bool | None = None  # the budget in force (True: the drafter's share)
+        self._batched: BatchedLink | None = None
+        self._scheduler: Scheduler | None = None
+        self.default_block = DEFAULT_BLOCK_SIZE  # the copy rounds' block without a drafter
+        self.clock = Clock([target.device, getattr(drafter, "device", target.device)])
+        vocab = getattr(getattr(drafter, "meta", None), "vocab_size", 0)
+        if drafter is not None and vocab not in (0, target.vocab_size):
             raise DrafterError(
-                f"drafter vocabulary ({drafter.meta.vocab_size}) does not match the target's ({target.vocab_size})"
+                f"drafter vocabulary ({vocab}) does not match the target's ({target.vocab_size})"
             )
 
     @classmethod
@@ -247,7 +260,13 @@ class Engine:
         block = self.drafter.block_size if self.drafter is not None else DEFAULT_BLOCK_SIZE
         read_cost = self._read_cost() if self.drafter is not None else 1.0
         figures = seed(
-            self.host, self.target.model, self.drafter, block, read_cost, self.cpu_budget
+            self.host,
+            self.target.model,
+            self.drafter,
+            block,
+            read_cost,
+            self.cpu_budget,
+            self.clock,
         )
         log.info("calibrated decoding costs: %s", figures)
         return figures
@@ -286,16 +305,17 @@ class Engine:
         if self._cpu is not None:
             cores, threads = self._cpu.full
             pin_process(sorted(cores), threads)
-            self._cpu = None
+            self._cpu = self._cpu_state = None
 
     def cpu_budget(self, speculating: bool) -> None:
         """Where a drafter process holds cores of its own, speculative rounds keep the target to
         the others, and plain steps (``ar``, or ``auto`` with speculation off) give it every
         core back: a drafter that is not drafting must not cost the target a core."""
-        if self._cpu is None or not self.manage_cpu:
+        if self._cpu is None or not self.manage_cpu or self._cpu_state is speculating:
             return
         cores, threads = self._cpu.own if speculating else self._cpu.full
         pin_process(sorted(cores), threads)
+        self._cpu_state = speculating
 
     def close(self) -> None:
         """Stop the drafter worker (and give the target its cores back)."""
@@ -305,52 +325,99 @@ class Engine:
     # ----- decoding ---------------------------------------------------------------------
     def proposer(self, mode: str, budget: int | None = None, copy: bool = True) -> Proposer:
         """The proposer of ``mode`` for one request (``budget``: its max new tokens; ``copy``:
-        auto may verify copies of the request's own text, :mod:`d3d.lookup`)."""
-        if mode in ("ar", "sync"):  # both run in this process: every core
-            self.cpu_budget(False)
+        auto may verify copies of the request's own text, :mod:`d3d.lookup`). ``auto``
+        without a drafter takes plain steps and copy rounds."""
         if mode == "ar":
             return ArProposer()
-        if self.drafter is None:
+        if self.drafter is None and mode != "auto":
             raise DrafterError(f"mode {mode!r} needs a drafter, and none is loaded")
-        if mode == "sync":
-            return SyncProposer(self.drafter)
-        worker = self.worker()
-        spec: Proposer = (
-            AsyncProposer(worker, self.target.vocab_size)
-            if worker is not None
-            else SyncProposer(self.drafter)
-        )
-        if mode == "async":
-            self.cpu_budget(True)
+        spec: Proposer | None = None
+        if self.drafter is not None:
+            spec = SyncProposer(self.drafter, self.clock)
+            if mode != "sync" and (link := self._link()) is not None:
+                spec = AsyncProposer(link, self.target.vocab_size, clock=self.clock.now)
+        if mode in ("sync", "async"):
+            assert spec is not None
             return spec
+        block = self.block_size
         return AutoProposer(
             spec,
             self.host,
-            max_len=self.drafter.block_size - 1,
-            on_switch=self.cpu_budget,
+            max_len=block - 1,
             budget=budget,
             read_cost=self._read_cost(),
             copies=self._copies() if copy else None,
         )
 
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size if self.drafter is not None else self.default_block
+
+    def _link(self) -> BatchedLink | None:
+        """The drafter worker behind a link that sends a step's commits together (None when the
+        drafter is not a :class:`D3DDrafter`, e.g. a test double: it drafts synchronously)."""
+        if not isinstance(self.drafter, D3DDrafter):
+            return None
+        worker = self.worker()
+        if worker is None:
+            return None
+        if self._batched is None or self._batched.link is not worker:
+            self._batched = BatchedLink(worker)
+        return self._batched
+
     def _copies(self) -> CopyDrafts:
-        block = self.drafter.block_size if self.drafter is not None else DEFAULT_BLOCK_SIZE
-        return CopyDrafts(self.host.copy, max_len=block - 1, vocab_size=self.target.vocab_size)
+        return CopyDrafts(
+            self.host.copy, max_len=self.block_size - 1, vocab_size=self.target.vocab_size
+        )
 
     def _read_cost(self) -> float:
         """The drafter's cost of reading a token relative to the target's prefill (depths)."""
-        mine = len(getattr(self.drafter.meta, "layers", ()) or ())
+        if self.drafter is None:
+            return 1.0
+        mine = len(getattr(getattr(self.drafter, "meta", None), "layers", ()) or ())
         theirs = getattr(self.target.model.config, "num_hidden_layers", 0)
         return min(mine / theirs, 1.0) if mine and theirs else 1.0
 
+    # ----- the scheduler ----------------------------------------------------------------
+    def scheduler(
+        self, max_batch: int | None = None, prefill: PrefillBudget | None = None
+    ) -> Scheduler:
+        """The engine's one scheduler, built on first use (``max_batch`` and ``prefill`` only
+        count then). Not thread-safe: one thread steps it (the CLI's, or the service's engine
+        thread)."""
+        if self._scheduler is None:
+            model = self.target.model
+            limit = (self.model_cfg.max_kv_tokens if self.model_cfg else None) or default_kv_tokens(
+                model
+            )
+            self._scheduler = Scheduler(
+                model,
+                self.target.eos_token_ids,
+                self._proposer_for,
+                block_size=self.block_size,
+                max_batch=max_batch or 32,
+                max_kv_tokens=limit,
+                prefix_cache=self.prefix_cache,
+                prefill=prefill,
+                clock=self.clock,
+                after_step=self._after_step,
+            )
+        return self._scheduler
+
+    def _proposer_for(self, req: GenRequest) -> Proposer:
+        return self.proposer(req.mode, req.max_new_tokens, req.copy)
+
+    def _after_step(self, rows: Sequence[Row]) -> None:
+        """A step's commits are observed: give the target the cores its next step should have
+        (fewer while the drafter process drafts), then send the worker every row's commit."""
+        self.cpu_budget(any(getattr(r.proposer, "speculating", False) for r in rows))
+        if self._batched is not None:
+            self._batched.flush()
+
     def cache_prefix(self, ids: Sequence[int]) -> None:
-        """Encode a prompt prefix that requests will share into :attr:`prefix_cache` (unless it
+        """Read a prompt prefix that requests will share into :attr:`prefix_cache` (unless it
         is there), e.g. beside other work before the request that needs it."""
-        if self.prefix_cache.key(ids) in self.prefix_cache:
-            return
-        session = TargetSession(self.target.model)
-        session.encode(ids)
-        self.prefix_cache.store(ids, session.cache)
+        self.scheduler().encode_prefix(list(ids))
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat_template)
@@ -368,26 +435,21 @@ class Engine:
         ``draft_prompt_ids``: what the drafter reads as the prompt, when it differs from the
         target's (e.g. the whole document, while the target reads the kept part).
         ``shared_prefix``: how many first prompt tokens other requests share (their KV is kept
-        in :attr:`prefix_cache`).
+        in :attr:`prefix_cache`). Raises ValueError at once for a request that cannot run.
         """
-        window = getattr(self.target.model.config, "max_position_embeddings", None)
-        if window and len(prompt_ids) + cfg.max_new_tokens + cfg.block_size > window:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) "
-                f"exceeds the model's {window}-token window"
-            )
-        stats = stats if stats is not None else DecodeStats(mode=cfg.mode)
-        return decode(
-            self.target.model,
-            self.proposer(cfg.mode, cfg.max_new_tokens, cfg.copy),
-            prompt_ids,
-            cfg,
-            self.target.eos_token_ids,
-            stats,
-            draft_prompt_ids,
-            shared_prefix,
-            self.prefix_cache,
+        req = GenRequest(
+            list(prompt_ids),
+            cfg.max_new_tokens,
+            cfg.sampling,
+            cfg.mode,
+            shared_prefix=shared_prefix,
+            draft_prompt_ids=None if draft_prompt_ids is None else list(draft_prompt_ids),
+            copy=cfg.copy,
+            stats=stats if stats is not None else DecodeStats(mode=cfg.mode),
         )
+        sched = self.scheduler()
+        sched.check(req)
+        return stream(sched, req)
 
     def generate_ids(
         self,

@@ -1,0 +1,34 @@
+"""One clock for every timing that decides anything (the policy, the prefill budget, branches).
+
+A CPU wall clock around an asynchronous GPU call measures the launch, not the work. The clock
+waits for the device before it reads the time: :meth:`Clock.now` synchronises the devices it
+was given (a no-op on a CPU), so ``now() - t0`` around a forward is the forward's real time.
+Tests pass a fake clock (any object with ``now()``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+
+class Clock:
+    """Seconds, read after the given devices have finished their queued work."""
+
+    def __init__(self, devices: Iterable[torch.device | str] = ()):
+        self.cuda = sorted(
+            {torch.device(d) for d in devices if torch.device(d).type == "cuda"}, key=str
+        )
+
+    def sync(self) -> None:
+        for dev in self.cuda:
+            torch.cuda.synchronize(dev)
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+
+WALL = Clock()  # for CPU-only callers and tests

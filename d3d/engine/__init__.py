@@ -1,0 +1,41 @@
+"""The engine: one scheduler that every caller decodes through.
+
+- :mod:`d3d.engine.front`     the loaded target and drafter, the drafter worker, text in / out
+- :mod:`d3d.engine.scheduler` ``step()``: admit, propose, verify, accept, emit, read prompts
+- :mod:`d3d.engine.target`    one target forward over rows of different lengths
+- :mod:`d3d.engine.kv`        the target's paged KV pool and its budget
+- :mod:`d3d.engine.request`   what callers submit, and the per-row state
+- :mod:`d3d.engine.stream`    one request stepped in the caller's thread (CLI, harnesses, tests)
+"""
+
+from d3d.engine.front import (
+    CHECKPOINTS,
+    DEFAULT_DRAFTER_DIR,
+    DrafterFactory,
+    Engine,
+    Generation,
+    build_drafter,
+    check_device,
+    placement_for,
+)
+from d3d.engine.kv import KvLimitError
+from d3d.engine.request import GenRequest
+from d3d.engine.scheduler import PrefillBudget, Scheduler
+from d3d.engine.stream import decode, stream
+
+__all__ = [
+    "CHECKPOINTS",
+    "DEFAULT_DRAFTER_DIR",
+    "DrafterFactory",
+    "Engine",
+    "GenRequest",
+    "Generation",
+    "KvLimitError",
+    "PrefillBudget",
+    "Scheduler",
+    "build_drafter",
+    "check_device",
+    "decode",
+    "placement_for",
+    "stream",
+]

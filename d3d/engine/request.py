@@ -1,0 +1,92 @@
+"""What a caller hands the engine, and the per-row state the scheduler keeps for it.
+
+A :class:`GenRequest` carries token ids in and two callbacks out: ``on_tokens`` with every chunk
+of committed tokens (called on the engine's thread, between steps) and ``on_finish`` once, with
+the request's :class:`~d3d.stats.DecodeStats` and the error that ended it, if any. ``cancel()``
+may be called from any thread; the scheduler drops the row before its next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from d3d.config import SamplingConfig
+from d3d.decode import Proposal, Proposer
+from d3d.engine.kv import KvRow
+from d3d.stats import DecodeStats
+
+_ids = itertools.count()
+
+
+def _noop_tokens(_: list[int]) -> None:
+    return None
+
+
+def _noop_finish(_: DecodeStats, __: BaseException | None) -> None:
+    return None
+
+
+@dataclass
+class GenRequest:
+    """One generation: prompt ids, budget, sampling, mode (``ar``, ``sync``, ``async``, ``auto``).
+
+    ``shared_prefix``: the first prompt tokens other requests share (their KV is cached);
+    ``draft_prompt_ids``: what the drafter reads as the prompt when it differs from the
+    target's (the whole document, while the target reads the kept part); ``copy``: ``auto``
+    may verify copies of the request's own text; ``stats``: where the scheduler keeps the
+    request's figures (a caller that wants to read them live passes its own).
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    mode: str = "auto"
+    shared_prefix: int = 0
+    draft_prompt_ids: list[int] | None = None
+    copy: bool = True
+    stats: DecodeStats | None = None  # filled in as the request runs (None: the engine makes one)
+    on_tokens: Callable[[list[int]], None] = _noop_tokens
+    on_finish: Callable[[DecodeStats, BaseException | None], None] = _noop_finish
+    id: int = field(default_factory=lambda: next(_ids))
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+
+@dataclass
+class Row:
+    """A running request: its KV pages, its proposer, and where its prompt reading stands.
+
+    Invariant (every mode): once the prompt is read, the KV holds ``tokens`` except the last
+    one, which is the anchor of the next round, and the last token of every round comes from
+    the target.
+    """
+
+    req: GenRequest
+    kv: KvRow
+    proposer: Proposer
+    stats: DecodeStats
+    generator: torch.Generator | None
+    tokens: list[int]
+    prefilled: int = 0  # prompt tokens in the KV (a cached prefix included)
+    prefill_s: float = 0.0  # target time spent on this row's prompt
+    first_token_at: float = 0.0
+    proposal: Proposal | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= len(self.req.prompt_ids)
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.req.prompt_ids) - self.prefilled

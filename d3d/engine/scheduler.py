@@ -1,0 +1,350 @@
+"""The scheduler: every request, alone or among many, decodes through :meth:`Scheduler.step`.
+
+``d3d generate`` is a batch of one, the service a batch of many; there is no other decode
+loop. One step reads as the algorithm::
+
+    admit      waiting requests join as the KV budget allows (continuous batching)
+    propose    each decoding row's proposer: nothing (ar), a drafter block (sync), the block the
+               drafter worker prepared while the last step was verified (async), a copy of the
+               row's own text, or whichever of these auto's policy says pays
+    verify     ONE target forward over every decoding row's [anchor, d_1..d_K]
+    accept     :func:`d3d.verify.accept` per row; the KV keeps the anchor and the accepted drafts
+               (rollback = not committing the rest)
+    emit       tokens out; the proposers are told what was committed, and the worker gets every
+               row's commit in one message, so it drafts step t+1 while the target verifies it
+    prefill    one forward over chunks of prompts still being read, sized by what is left
+
+Prompts are read in chunks (shortest first, so a short request is not queued behind a long
+document), and while rows decode a chunk may cost at most ``prefill_share`` times the step's
+verify forward (:class:`PrefillBudget`): a long prompt costs running rows one bounded chunk
+per step, never a whole prefill. A prompt prefix that requests share (document QA: the
+instruction and the document's head) is read on its own up to its end and kept in the prefix
+cache, or copied from it, so a row computes the same whether or not it hit the cache.
+
+Rows keep the invariants of every mode (the KV holds the committed tokens but the last; the
+last token of every round comes from the target), so each row's greedy output is plain greedy
+decoding of the target, whatever else shares the batch.
+
+Letters: n decoding rows, T new tokens per row, K draft length, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from d3d.clock import WALL, Clock
+from d3d.costs import LinearCost
+from d3d.decode import Proposer
+from d3d.engine.kv import KvLimitError
+from d3d.engine.request import GenRequest, Row
+from d3d.engine.target import BatchTarget
+from d3d.kv_store import PrefixCache
+from d3d.sampling import make_generator, pick
+from d3d.stats import DecodeStats, Round
+from d3d.verify import Acceptance, accept
+
+log = logging.getLogger(__name__)
+
+CHUNK_STEP = 16  # prefill chunks are multiples of this many tokens
+
+
+class PrefillBudget:
+    """Tokens of prompt to read this step (see the module docstring).
+
+    Chunk forwards are fitted as ``t(c) = a + b c``; while rows decode, the chunk is the largest
+    c with ``t(c) <= share * t_verify`` (at least ``min_chunk``, so every prompt advances); with
+    nothing decoding, ``max_chunk``.
+    """
+
+    def __init__(self, share: float = 1.0, min_chunk: int = 32, max_chunk: int = 512):
+        if share <= 0 or not 0 < min_chunk <= max_chunk:
+            raise ValueError("need share > 0 and 0 < min_chunk <= max_chunk")
+        self.share, self.min_chunk, self.max_chunk = share, min_chunk, max_chunk
+        self.cost = LinearCost(window=32)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.cost.observe(tokens, seconds)
+
+    def tokens(self, verify_s: float | None) -> int:
+        if verify_s is None:
+            return self.max_chunk
+        fit = self.cost.fit()
+        if fit is None:
+            return self.min_chunk
+        a, b = fit
+        c = int((self.share * verify_s - a) / b) // CHUNK_STEP * CHUNK_STEP
+        return max(self.min_chunk, min(self.max_chunk, c))
+
+
+ProposerFactory = Callable[[GenRequest], Proposer]
+
+
+class Scheduler:
+    """Continuous batching over one target (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        eos_ids: set[int],
+        proposers: ProposerFactory,
+        *,
+        block_size: int = 16,
+        max_batch: int = 32,
+        max_kv_tokens: int = 1 << 16,
+        prefix_cache: PrefixCache | None = None,
+        prefill: PrefillBudget | None = None,
+        clock: Clock = WALL,
+        window: int | None = None,
+        after_step: Callable[[Sequence[Row]], None] | None = None,
+    ):
+        """``proposers(req)`` makes a request's proposer; ``after_step(rows)`` runs after each
+        step's commits were observed (the engine sends the worker its commits there, and sizes
+        the target's CPU budget)."""
+        self.target = BatchTarget(model, max_kv_tokens, clock)
+        self.kv = self.target.kv
+        self.eos_ids = set(eos_ids)
+        self.proposers = proposers
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.prefix_cache = prefix_cache
+        self.prefill_budget = prefill or PrefillBudget()
+        self.clock = clock
+        self.window = window or getattr(model.config, "max_position_embeddings", None)
+        self.after_step = after_step or (lambda rows: None)
+        self.waiting: deque[GenRequest] = deque()
+        self.rows: list[Row] = []
+        self.last_verify_s: float | None = None
+
+    # -- intake --------------------------------------------------------------------------------
+    def need(self, req: GenRequest) -> int:
+        """KV tokens a request reserves: prompt, budget and one draft block."""
+        return len(req.prompt_ids) + req.max_new_tokens + self.block_size
+
+    def check(self, req: GenRequest) -> None:
+        """Raise ValueError naming the problem if ``req`` can never run (:class:`KvLimitError`
+        when it can never fit the KV budget)."""
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if self.window and self.need(req) > self.window:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) "
+                f"exceeds the model's {self.window}-token window"
+            )
+        self.kv.check(self.need(req))
+
+    def add(self, req: GenRequest) -> None:
+        """Queue a request; it joins the batch when the KV budget allows (raises ValueError if
+        it never can)."""
+        self.check(req)
+        self.waiting.append(req)
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.waiting
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Drop cancelled rows, admit, decode the decoding rows, read a chunk of prompts."""
+        try:
+            self._drop_cancelled()
+            self._admit()
+            decoding = [r for r in self.rows if r.decoding]
+            self.last_verify_s = None
+            if decoding:
+                self._decode(decoding)
+            self._prefill([r for r in self.rows if not r.decoding])
+            self.after_step(self.rows)
+            self._sweep()
+        except Exception as exc:  # a failed forward fails its batch, never the engine
+            log.exception("engine step failed; failing %d request(s)", len(self.rows))
+            for row in list(self.rows):
+                self._finish(row, "error", exc)
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            stats = DecodeStats(mode=req.mode, prompt_tokens=len(req.prompt_ids))
+            stats.stop_reason = "cancelled"
+            req.on_finish(stats, None)
+        for row in [r for r in self.rows if r.req.cancelled]:
+            self._finish(row, "cancelled")
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.rows) < self.max_batch:
+            req = self.waiting[0]
+            if not self.kv.fits(self.need(req)):
+                break  # waits until running rows give pages back
+            self.waiting.popleft()
+            stats = req.stats if req.stats is not None else DecodeStats(mode=req.mode)
+            stats.prompt_tokens = len(req.prompt_ids)
+            try:
+                proposer = self.proposers(req)
+                gen = make_generator(req.sampling, self.target.device)
+                proposer.start(req.prompt_ids, req.sampling, gen, req.draft_prompt_ids)
+            except Exception as exc:  # this request cannot run (e.g. no drafter for its mode)
+                stats.stop_reason = "error"
+                req.on_finish(stats, exc)
+                continue
+            row = Row(req, self.kv.open(self.need(req)), proposer, stats, gen, list(req.prompt_ids))
+            self.rows.append(row)
+            self._reuse_prefix(row)
+
+    # -- decoding ------------------------------------------------------------------------------
+    def _decode(self, rows: Sequence[Row]) -> None:
+        proposals = [r.proposer.propose(r.tokens) for r in rows]
+        width = 1 + max(p.k for p in proposals)
+        rides = [False] * len(rows)
+        if width > 1:  # the forward is wide anyway: rows with nothing to verify may copy
+            for b, (row, p) in enumerate(zip(rows, proposals, strict=True)):
+                ride = getattr(row.proposer, "ride", None)
+                if p.k == 0 and ride is not None and (c := ride(row.tokens, width - 1)):
+                    proposals[b], rides[b] = c, True
+        ids = [[r.tokens[-1], *p.tokens.tolist()] for r, p in zip(rows, proposals, strict=True)]
+        logits = self.target.forward([r.kv for r in rows], ids)  # [n, T, V]
+        seconds = self.last_verify_s = self.target.last_seconds
+        for b, (row, p) in enumerate(zip(rows, proposals, strict=True)):
+            acc = accept(logits[b, : p.k + 1], p.tokens, p.q, row.req.sampling, row.generator)
+            self.kv.commit(row.kv, acc.num_emitted)
+            # A row that rode in a wider forward than its own round did not pay for it alone.
+            own = p.k + 1 == width and not rides[b]
+            row.proposer.observe(acc, seconds if own else None)
+            emitted = self._emit(row, acc.tokens)
+            row.stats.record(
+                Round(
+                    emitted,
+                    p.k,
+                    acc.num_accepted,
+                    p.wait_s,
+                    seconds,
+                    p.hit,
+                    p.branches,
+                    speculative=p.k > 0,
+                    failed=p.failed,
+                    copied=p.source == "copy",
+                )
+            )
+
+    # -- reading prompts -----------------------------------------------------------------------
+    def _reuse_prefix(self, row: Row) -> None:
+        """Copy a cached shared prefix into a new row's KV."""
+        shared = self._shared(row)
+        if shared and self.prefix_cache is not None:
+            cached = self.prefix_cache.lookup(row.req.prompt_ids[:shared])
+            if cached is not None:
+                self.kv.load(row.kv, cached)
+                row.prefilled = row.stats.cached_prompt_tokens = shared
+
+    def _shared(self, row: Row) -> int:
+        n = row.req.shared_prefix
+        return n if self.prefix_cache is not None and 0 < n < len(row.req.prompt_ids) else 0
+
+    def _prefill(self, rows: Sequence[Row]) -> None:
+        """One forward over the next chunk of as many prompts as the budget holds."""
+        if not rows:
+            return
+        budget = self.prefill_budget.tokens(self.last_verify_s)
+        group: list[tuple[Row, int]] = []
+        for row in sorted(rows, key=lambda r: r.prompt_left):
+            shared = self._shared(row)
+            end = shared if row.prefilled < shared else len(row.req.prompt_ids)
+            piece = min(end - row.prefilled, budget)
+            width = max([n for _, n in group] + [piece])
+            if group and width * (len(group) + 1) > budget:
+                break
+            group.append((row, piece))
+        runs = [r.req.prompt_ids[r.prefilled : r.prefilled + n] for r, n in group]
+        done = [r.prefilled + n == len(r.req.prompt_ids) for r, n in group]
+        ends = sorted({n - 1 for (_, n), d in zip(group, done, strict=True) if d})
+        logits = self.target.forward([r.kv for r, _ in group], runs, ends or [0])
+        seconds = self.target.last_seconds
+        total = sum(n for _, n in group)
+        self.prefill_budget.observe(max(n for _, n in group) * len(group), seconds)
+        for b, (row, n) in enumerate(group):
+            self.kv.commit(row.kv, n)
+            row.prefilled += n
+            row.prefill_s += seconds * n / total
+            if row.prefilled == self._shared(row):
+                self.prefix_cache.store(
+                    row.req.prompt_ids[: row.prefilled], self.kv.snapshot(row.kv)
+                )
+            if done[b]:
+                self._first_token(row, logits[b, ends.index(n - 1)])
+
+    def _first_token(self, row: Row, logits: torch.Tensor) -> None:
+        """The prompt is read: the first token, reported to the proposer as round 0 (the
+        prompt's time with a cached prefix priced like the rest)."""
+        st = row.stats
+        st.prefill_seconds = row.prefill_s
+        first = pick(logits, row.req.sampling, row.generator)
+        prompt = len(row.req.prompt_ids)
+        encoded = max(prompt - st.cached_prompt_tokens, 1)
+        row.proposer.observe(Acceptance(0, [first]), row.prefill_s * prompt / encoded)
+        row.first_token_at = self.clock.now()
+        self._emit(row, [first])
+
+    # -- output and bookkeeping ----------------------------------------------------------------
+    def _emit(self, row: Row, tokens: list[int]) -> list[int]:
+        st = row.stats
+        tokens, reason = clip(tokens, self.eos_ids, row.req.max_new_tokens - st.num_tokens)
+        row.tokens += tokens
+        st.num_tokens += len(tokens)
+        st.decode_seconds = self.clock.now() - row.first_token_at
+        row.req.on_tokens(tokens)
+        if reason:
+            st.stop_reason = reason
+        return tokens
+
+    def _sweep(self) -> None:
+        for row in [r for r in self.rows if r.stats.stop_reason]:
+            self._finish(row, row.stats.stop_reason)
+
+    def _finish(self, row: Row, reason: str, error: BaseException | None = None) -> None:
+        row.stats.stop_reason = reason
+        self.rows.remove(row)
+        self.kv.close(row.kv)
+        try:
+            row.proposer.close()
+        except Exception:  # closing a proposer must not fail the request
+            log.exception("closing a proposer failed")
+        row.req.on_finish(row.stats, error)
+
+    # -- outside the batch ---------------------------------------------------------------------
+    def encode_prefix(self, ids: Sequence[int]) -> None:
+        """Read a prompt prefix into the prefix cache (unless it is there), the same way a
+        request reads its shared prefix, so rows that take it compute the same."""
+        cache = self.prefix_cache
+        if cache is None or not ids or cache.key(ids) in cache:
+            return
+        need = len(ids)
+        self.kv.check(need)
+        if not self.kv.fits(need):
+            return  # the batch holds the KV now; the first request reads it itself
+        row = self.kv.open(need)
+        try:
+            for i in range(0, need, self.prefill_budget.max_chunk):
+                run = list(ids[i : i + self.prefill_budget.max_chunk])
+                self.target.forward([row], [run], [len(run) - 1])
+                self.kv.commit(row, len(run))
+            cache.store(list(ids), self.kv.snapshot(row))
+        finally:
+            self.kv.close(row)
+
+
+def clip(tokens: list[int], eos_ids: set[int], room: int) -> tuple[list[int], str]:
+    """Cut a round's tokens at the first EOS (kept) or at the token budget."""
+    for i, t in enumerate(tokens[:room]):
+        if t in eos_ids:
+            return tokens[: i + 1], "eos"
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, ""
+
+
+__all__ = ["KvLimitError", "PrefillBudget", "Scheduler", "clip"]
