@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from app import documents
 from app.errors import ApiError
 from app.worker import Models, Prepared
-from d3d.models import encode_messages, has_chat_template
+from d3d.models import TemplateVarsError, encode_messages, has_chat_template
 
 DEFAULT_KEEP_RATIO = 0.3
 
@@ -31,15 +31,8 @@ def chat(
         if has_chat_template(tok):
             try:
                 ids = encode_messages(tok, msgs, **(template_vars or {}))
-            except Exception as exc:
-                if not template_vars:
-                    raise
-                # A variable may shadow a name the template calls (e.g. ``namespace``).
-                raise ApiError(
-                    422,
-                    f"the chat template fails with these variables: {type(exc).__name__}: {exc}",
-                    "chat_template_kwargs",
-                ) from exc
+            except TemplateVarsError as exc:
+                raise ApiError(422, str(exc), "chat_template_kwargs") from exc
         else:
             ids = tok("\n".join(m["content"] for m in msgs), add_special_tokens=True)["input_ids"]
         return Prepared([int(i) for i in ids])
@@ -80,6 +73,8 @@ def qa(
             )
         except documents.DocumentTooLarge as exc:
             raise ApiError(413, str(exc), "document") from exc
+        except TemplateVarsError as exc:
+            raise ApiError(422, str(exc), "chat_template_kwargs") from exc
         except ValueError as exc:
             msg = str(exc)
             param = "scorer" if "scorer" in msg else "document" if "document" in msg else None

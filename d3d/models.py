@@ -41,6 +41,10 @@ class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded; the message says why in one line."""
 
 
+class TemplateVarsError(ValueError):
+    """Chat-template variables (a request's ``chat_template_kwargs``) that cannot be used."""
+
+
 @dataclass
 class LoadedModel:
     """A causal LM, its tokenizer, and the spec it was loaded from."""
@@ -182,12 +186,13 @@ def has_chat_template(tokenizer: object) -> bool:
 
 
 def check_template_vars(template_vars: Mapping[str, object]) -> None:
-    """Refuse variables that are not template variables (``ValueError`` naming the first)."""
+    """Refuse variables that are not template variables (:class:`TemplateVarsError` naming the
+    first)."""
     for name, value in template_vars.items():
         if name in RESERVED_TEMPLATE_VARS or not name.isidentifier():
-            raise ValueError(f"{name!r} is not a chat template variable")
+            raise TemplateVarsError(f"{name!r} is not a chat template variable")
         if name == "enable_thinking" and not isinstance(value, bool):
-            raise ValueError(f"enable_thinking must be true or false, got {value!r}")
+            raise TemplateVarsError(f"enable_thinking must be true or false, got {value!r}")
 
 
 def apply_chat(
@@ -203,18 +208,27 @@ def apply_chat(
     Non-thinking by default, as D3D is evaluated: Qwen3's template then closes an empty think
     block in the generation prompt (``<think>\n\n</think>\n\n``) and the model answers at once;
     templates without the variable ignore it. ``template_vars`` reach the template as further
-    variables (a request's ``chat_template_kwargs``; see :func:`check_template_vars`).
+    variables (a request's ``chat_template_kwargs``); ones that are not template variables, or
+    that break the template, raise :class:`TemplateVarsError`.
     """
     if not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template")
     check_template_vars({"enable_thinking": enable_thinking, **template_vars})
-    return tokenizer.apply_chat_template(
-        list(messages),
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        enable_thinking=enable_thinking,
-        **template_vars,
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            enable_thinking=enable_thinking,
+            **template_vars,
+        )
+    except Exception as exc:
+        if not template_vars:
+            raise
+        # A variable may shadow a name the template uses (Qwen3's calls ``namespace``).
+        raise TemplateVarsError(
+            f"the chat template fails with these variables: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def encode_messages(

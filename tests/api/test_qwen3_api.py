@@ -124,8 +124,11 @@ def test_a_document_request_honours_the_template_variables(client):
         {"namespace": 1},  # shadows a function Qwen3's template calls
     ],
 )
-def test_bad_template_variables_are_422_naming_the_field(server, kwargs):
+@pytest.mark.parametrize("document", [None, DOC])
+def test_bad_template_variables_are_422_naming_the_field(server, kwargs, document):
     body = {"model": MODEL, "messages": MSGS, "chat_template_kwargs": kwargs}
+    if document:
+        body.update(document=document, scorer="bm25")
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 422, r.text
     assert r.json()["error"]["param"] == "chat_template_kwargs"
