@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from app.prepared import Prepared
 from compression.compressor import DEFAULT_SCORER, SCORERS
@@ -66,14 +66,16 @@ class Documents:
         keep_ratio: float,
         scorer: str,
         max_document_tokens: int,
+        template_vars: Mapping[str, object] | None = None,
     ) -> Prepared:
-        """Compress ``document`` for ``question`` and build the answer prompt."""
+        """Compress ``document`` for ``question`` and build the answer prompt (``template_vars``:
+        chat-template variables, e.g. a chat request's ``enable_thinking``)."""
         t0 = time.perf_counter()
         enc = self.tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)
         offsets = [tuple(o) for o in enc["offset_mapping"]]
         if len(offsets) > max_document_tokens:
             raise DocumentTooLarge(len(offsets), max_document_tokens)
-        parts = self.qa.parts(document, question)
+        parts = self.qa.parts(document, question, template_vars=template_vars)
         comp = self.qa.compress(parts, keep_ratio, scorer)
         info = comp.to_dict()
         # Spans need compression's tokens to be the offset tokens (true when it tokenises the

@@ -7,12 +7,13 @@ are checked against compression's registry through :mod:`app.documents`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app import documents
 from d3d import config as d3d_config
+from d3d.models import check_template_vars
 
 STRICT = ConfigDict(extra="forbid")
 
@@ -66,6 +67,7 @@ class QARequest(Sampling, Compression):
     question: str = Field(..., min_length=1)
     max_new_tokens: int = Field(64, ge=1, le=4096)
     stream: bool = False
+    return_prompt: bool = Field(False, description="also return the exact prompt the model read")
 
     @field_validator("document", "question")
     @classmethod
@@ -128,6 +130,18 @@ class OpenAIRequest(Sampling, Compression):
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='variables for the chat template, as vLLM takes them: {"enable_thinking": '
+        "true} lets Qwen3 think (returned apart, as reasoning_content); default non-thinking",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_vars(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            check_template_vars(v)
+        return v
 
 
 class CompletionRequest(OpenAIRequest):

@@ -1,9 +1,9 @@
 """``d3d compress`` and ``d3d qa``: thin commands over :mod:`compression`.
 
 ``d3d compress --document FILE --question TEXT`` prints the kept text (or JSON with ``--json``);
-``d3d qa`` compresses and then answers with the engine; ``--question`` may be given several
-times: the questions share one :class:`~compression.qa.DocumentQA`, so the document is read
-once. Bad input (missing or empty file, keep ratio outside (0, 1], unknown scorer) is a
+``d3d qa`` compresses and then answers with the engine (``--json`` also reports ``prompt``, the
+exact text the target read); ``--question`` may be given several times: the questions share one
+:class:`~compression.qa.DocumentQA`, so the document is read once. Bad input (missing or empty file, keep ratio outside (0, 1], unknown scorer) is a
 ``ValueError`` or ``FileNotFoundError``, which ``d3d`` prints as one line with exit code 2,
 before any model loads. ``--doc-cache-dir`` keeps the reader's pass on disk, so the next
 ``d3d qa`` about the same document skips it.
@@ -179,7 +179,7 @@ def cmd_qa(args: argparse.Namespace) -> int:
             document, question, dcfg, draft_from_document=args.draft_from == "document"
         )
         if args.json:
-            print(json.dumps(result.to_dict()))
+            print(json.dumps({**result.to_dict(), "prompt": qa.prompt_text(result)}))
             continue
         print(result.answer)
         c, t = result.compression, result.timings

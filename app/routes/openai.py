@@ -7,6 +7,12 @@ chunks ending in ``data: [DONE]``, a final usage chunk with ``stream_options.inc
 system message, which is then taken as the document), the request is answered like ``/qa``:
 the document compressed for the last user message (or the prompt), in the QA template.
 Non-streaming responses carry the decode statistics under ``speculative`` (vLLM names).
+
+Chat prompts are non-thinking by default; ``chat_template_kwargs`` (as vLLM takes them, e.g.
+``{"enable_thinking": true}``) reach the chat template. For a model with think tags (Qwen3) the
+thinking comes apart from the answer as ``message.reasoning_content`` / streaming
+``delta.reasoning_content`` (vLLM's reasoning-parser convention, :mod:`app.reasoning`), and
+``content`` never holds a tag.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from app import prompts
+from app import prompts, reasoning
 from app.errors import ApiError, request_id
 from app.generation import Run
 from app.routes.common import (
@@ -45,7 +51,9 @@ def check_model(request: Request, name: str) -> None:
         raise ApiError(404, f"model {name!r} not found: this server serves {served!r}", "model")
 
 
-def _document_prepare(request: Request, body: OpenAIRequest, question: str, system: str):
+def _document_prepare(
+    request: Request, body: OpenAIRequest, question: str, system: str, template_vars=None
+):
     """A /qa-style prompt when the request carries a document (see the module docstring)."""
     document = body.document
     if document is None and body.keep_ratio is not None:
@@ -63,7 +71,9 @@ def _document_prepare(request: Request, body: OpenAIRequest, question: str, syst
     if not document.strip():
         raise ApiError(422, "document: must not be empty", "document")
     limit = request.app.state.settings.max_document_tokens
-    return prompts.qa(document, question, body.keep_ratio, body.scorer, limit)
+    return prompts.qa(
+        document, question, body.keep_ratio, body.scorer, limit, template_vars=template_vars
+    )
 
 
 async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int | None, chat: bool):
@@ -71,6 +81,10 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
     job = Job(prepare, max_tokens or DEFAULT_MAX_TOKENS, sampling(body), body.speculative.mode)
     run = Run(state.worker, job, stop=body.stops, timeout=state.settings.request_timeout)
     prepared = await run.start()
+    # Chat only: the thinking goes apart from the answer where the model has think tags.
+    splitter = (
+        reasoning.splitter_for(state.worker.detokenizer, prepared.prompt_ids) if chat else None
+    )
     prefix = "chatcmpl" if chat else "cmpl"
     rid, created, model = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_name
     obj = "chat.completion" if chat else "text_completion"
@@ -79,6 +93,10 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
         choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
+            if splitter is not None:
+                split = splitter.push(out.text) + splitter.flush()
+                choice["message"]["content"] = split.content
+                choice["message"]["reasoning_content"] = split.reasoning or None
         else:
             choice["text"] = out.text
         result = {
@@ -97,11 +115,15 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+    def chunk(
+        delta: str | None, finish: str | None = None, role: bool = False, thinking: str = ""
+    ) -> dict:
         if chat:
             d: dict = {}
             if role:
                 d["role"] = "assistant"
+            if thinking:
+                d["reasoning_content"] = thinking
             if delta is not None:
                 d["content"] = delta
             choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
@@ -118,7 +140,12 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
             if chat:
                 yield sse(chunk("", role=True))
             async for delta in run.deltas():
-                yield sse(chunk(delta))
+                if splitter is None:
+                    yield sse(chunk(delta))
+                elif split := splitter.push(delta):
+                    yield sse(chunk(split.content or None, thinking=split.reasoning))
+            if splitter is not None and (split := splitter.flush()):
+                yield sse(chunk(split.content or None, thinking=split.reasoning))
             yield sse(chunk(None if chat else "", run.outcome.finish_reason))
             if include_usage:
                 yield sse(
@@ -145,11 +172,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(request, body.model)
     users = [m.text for m in body.messages if m.role == "user"]
     system = "\n\n".join(m.text for m in body.messages if m.role in ("system", "developer"))
-    prepare = _document_prepare(request, body, users[-1] if users else "", system)
+    template_vars = body.chat_template_kwargs
+    prepare = _document_prepare(request, body, users[-1] if users else "", system, template_vars)
     if prepare is not None and not users:
         raise ApiError(422, "a document needs a user message (the question)", "messages")
     if prepare is None:
-        prepare = prompts.chat([(m.role, m.text) for m in body.messages])
+        prepare = prompts.chat([(m.role, m.text) for m in body.messages], template_vars)
     return await _run(request, body, prepare, body.max_completion_tokens or body.max_tokens, True)
 
 

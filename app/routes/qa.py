@@ -4,7 +4,9 @@ The body is JSON (:class:`~app.schemas.QARequest`) or multipart form data with t
 file (``.txt``, ``.md``, ``.pdf``) and the other fields as form fields. With ``stream: true`` the
 answer comes as server-sent events: ``{"type": "compression", ...}`` first (kept spans, so a page
 can highlight the document at once), then ``{"type": "delta", "text"}`` chunks, then
-``{"type": "done", ...}`` with the full response, then ``[DONE]``.
+``{"type": "done", ...}`` with the full response, then ``[DONE]``. With ``return_prompt: true``
+the response also holds ``prompt``: the exact text the target read (its prompt ids decoded,
+chat template included; non-thinking for Qwen3).
 """
 
 from __future__ import annotations
@@ -90,17 +92,23 @@ async def parse(request: Request) -> QARequest:
     raise ApiError(415, f"unsupported content type {ctype!r}: send JSON or multipart/form-data")
 
 
+def compression_view(info: dict) -> dict:
+    """What compression did: the prepared info less the prompt text (reported on its own)."""
+    return {k: v for k, v in info.items() if k != "prompt"}
+
+
 def response(rid: str, out: Outcome, model: str) -> dict:
     prepared = out.prepared
+    info = prepared.info if prepared else {}
     st = out.stats
-    return {
+    result = {
         "id": rid,
         "object": "qa.answer",
         "model": model,
         "answer": out.text.strip(),
         "finish_reason": out.finish_reason,
         "usage": usage(st),
-        "compression": prepared.info if prepared else {},
+        "compression": compression_view(info),
         "speculative": speculative_view(st),
         "timings": {
             "queue_s": round(out.queue_s, 4),
@@ -110,6 +118,9 @@ def response(rid: str, out: Outcome, model: str) -> dict:
             "total_s": round(out.total_s, 4),
         },
     }
+    if "prompt" in info:
+        result["prompt"] = info["prompt"]
+    return result
 
 
 OPENAPI = {
@@ -131,6 +142,7 @@ OPENAPI = {
                         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                         "seed": {"type": "integer"},
                         "speculative": {"type": "string"},
+                        "return_prompt": {"type": "boolean"},
                     },
                     "additionalProperties": False,
                 }
@@ -153,6 +165,7 @@ async def qa(request: Request):
             body.keep_ratio,
             body.scorer,
             settings.max_document_tokens,
+            body.return_prompt,
         ),
         body.max_new_tokens,
         sampling(body),
@@ -171,7 +184,9 @@ async def qa(request: Request):
         return response(rid, await run.collect(request), model)
 
     async def events():
-        yield sse({"type": "compression", "id": rid, "compression": prepared.info})
+        yield sse(
+            {"type": "compression", "id": rid, "compression": compression_view(prepared.info)}
+        )
         try:
             async for delta in run.deltas():
                 yield sse({"type": "delta", "text": delta})
