@@ -170,7 +170,7 @@ class EngineWorker:
             engine.target.eos_token_ids,
             engine.drafter,
             max_batch=self.settings.max_batch,
-            prefix_cache=PrefixCache(tag="batch"),
+            prefix_cache=PrefixCache(engine.prefix_cache.max_bytes, tag="batch"),
             copy=self.settings.copy,
         )
         p = next(model.parameters())

@@ -58,6 +58,13 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument(
+        "--prefix-cache",
+        default=None,
+        help="memory for the target's KV of shared prompt prefixes: auto (10%% of the free "
+        "memory on the target's device, the default), a share (25%%), a size (4GiB) or tokens "
+        "(32768tok)",
+    )
+    g.add_argument(
         "--no-pack",
         action="store_true",
         help="keep float32 CPU linear maps in PyTorch's own layout (default: prepacked for "
@@ -75,6 +82,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         threads=args.threads,
         pack=False if getattr(args, "no_pack", False) else None,
         costs_dir=_costs_dir(args),
+        prefix_cache=getattr(args, "prefix_cache", None),
     )
 
 

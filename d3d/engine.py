@@ -29,13 +29,14 @@ from pathlib import Path
 import torch
 
 from d3d.calibration import seed
-from d3d.config import DEFAULT_BLOCK_SIZE, DecodeConfig, ModelConfig
+from d3d.config import DEFAULT_BLOCK_SIZE, CacheBudget, DecodeConfig, ModelConfig
 from d3d.cost_memory import costs_path, load_costs, save_costs
 from d3d.decode import ArProposer, DecodeStats, Proposer, SyncProposer, TargetSession, decode
 from d3d.drafter import D3DDrafter, DrafterError
 from d3d.drafter_specs import borrowed_layers, resolve_spec, self_layers
 from d3d.kv_store import PrefixCache
 from d3d.lookup import CopyDrafts
+from d3d.memory import prefix_cache_bytes
 from d3d.models import LoadedModel, ModelLoadError, encode_prompt, load_target, load_target_part
 from d3d.packing import pack_linears
 from d3d.pipeline import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
@@ -177,7 +178,9 @@ class Engine:
         self.drafter = drafter
         self.model_cfg = model_cfg
         self.host = HostCosts()
-        self.prefix_cache = PrefixCache()  # the target's KV of prompt prefixes requests share
+        # The target's KV of prompt prefixes requests share, sized from the memory there is.
+        budget = model_cfg.cache_budget if model_cfg is not None else CacheBudget()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes(target.model, budget))
         self.worker_restarts = 0
         self._worker: WorkerClient | None = None
         self._worker_lock = threading.Lock()
