@@ -114,8 +114,8 @@ def load_drafter(
         and not (tied and k == "lm.lm_head.weight")
     ]
     _check_fit(src, missing, unexpected)
-    finish(lm, dev)
-    drafter.place(dev, dtype=target.dtype)
+    finish(lm, dev, rotary=target.model.rotary_emb if meta.shared_embeddings else None)
+    drafter.place(dev)  # already in the target's dtype
     drafter.eval()
     return drafter
 

@@ -212,7 +212,15 @@ class D3DDrafter(nn.Module):
             emb, head = copy.deepcopy((emb, head), memo)
             self.lm.set_input_embeddings(emb)
             self.lm.set_output_embeddings(head)
-        self.to(device=dev, dtype=dtype)
+        # Rotary frequencies keep their dtype (float32, as in the target): a bf16 drafter with
+        # bf16 frequencies would compute other positions than its target's layers do.
+        body = self.lm.model
+        rot = body._modules.pop("rotary_emb", None)
+        try:
+            self.to(device=dev, dtype=dtype)
+        finally:
+            if rot is not None:
+                body._modules["rotary_emb"] = rot.to(dev)
         return self
 
     def save(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:

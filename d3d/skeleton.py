@@ -22,6 +22,7 @@ file (no copy); another dtype or device costs one tensor of the final size.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -44,12 +45,20 @@ def meta_lm(config, dtype: torch.dtype, attn: str | None = None) -> PreTrainedMo
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
-def finish(lm: PreTrainedModel, device: str | torch.device, allow: Sequence[str] = ()) -> None:
+def finish(
+    lm: PreTrainedModel,
+    device: str | torch.device,
+    allow: Sequence[str] = (),
+    rotary: nn.Module | None = None,
+) -> None:
     """Give a filled skeleton its rotary frequencies on ``device`` (non-persistent buffers are in
-    no checkpoint) and fail if a tensor outside the ``allow`` name prefixes is still meta."""
+    no checkpoint): a copy of ``rotary`` (a target's, so a drafter of its layers computes what
+    it computes, float32 frequencies included), else built from the config; then fail if a
+    tensor outside the ``allow`` name prefixes is still meta."""
     rot = getattr(lm.model, "rotary_emb", None)
     if rot is not None:
-        lm.model.rotary_emb = type(rot)(config=lm.config).to(device)
+        new = copy.deepcopy(rotary) if rotary is not None else type(rot)(config=lm.config)
+        lm.model.rotary_emb = new.to(device)
     left = [
         n
         for n, t in [*lm.named_parameters(), *lm.named_buffers()]
@@ -87,7 +96,7 @@ def layers_lm(
         lm.requires_grad_(False)  # before the target's modules join: theirs stay as they are
     lm.set_input_embeddings(target.get_input_embeddings())
     lm.set_output_embeddings(target.get_output_embeddings())
-    finish(lm, target.device if copy_to is None else copy_to)
+    finish(lm, target.device if copy_to is None else copy_to, rotary=target.model.rotary_emb)
     return lm
 
 
