@@ -114,7 +114,7 @@ def run_check(tiny: bool, context: int, repeats: int, drafter_layers: list[int])
 
 
 def _drafter_row(target, n_layers: int, ids: torch.Tensor, device, repeats: int, verify) -> dict:
-    drafter = D3DDrafter.from_target(target, n_layers, device=device)
+    drafter = D3DDrafter.from_target(target, n_layers, device=device, share=True)
     d_cache = DynamicCache()
     drafter.encode(ids[0].tolist(), d_cache)
     anchor = int(ids[0, -1])
