@@ -195,3 +195,21 @@ def test_the_prefix_cache_is_sized_from_its_budget(monkeypatch):
         ModelConfig(prefix_cache="lots")
     with pytest.raises(ConfigError, match="prefix_cache"):
         ModelConfig(prefix_cache="120%")
+
+
+def test_load_target_asks_for_the_device_at_load(saved_target, monkeypatch):
+    """On a GPU host the weights must go straight there: transformers gets the device as its
+    device map (a CPU load moved afterwards would hold the whole model in host memory first)."""
+    from unittest import mock
+
+    import d3d.models as models
+
+    calls = []
+
+    def from_pretrained(src, **kwargs):
+        calls.append(kwargs)
+        return mock.MagicMock()
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    load_target(str(saved_target), device="cuda:1", dtype="bfloat16")
+    assert calls[0]["device_map"] == {"": "cuda:1"} and calls[0]["dtype"] == torch.bfloat16
