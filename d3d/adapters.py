@@ -150,33 +150,3 @@ def hide_gated_keys(
     if mask.dtype == torch.bool:
         return mask & ~full
     return mask.masked_fill(full, torch.finfo(mask.dtype).min)
-
-
-def frozen_layers_lm(target: nn.Module, idx: list[int], config) -> nn.Module:
-    """A causal LM of the target's layers ``idx`` whose weights *are* the target's tensors.
-
-    Built on the meta device (nothing allocated), then every layer and the final norm take the
-    target's tensors by reference (``assign=True``): in one process the drafter holds no second
-    copy of them. Its module objects are its own, so hooks, ``.to()`` and placement on another
-    device never touch the target; moving it elsewhere copies the tensors there. Embeddings and
-    LM head are the target's modules (``D3DDrafter.place`` copies them when it moves the
-    drafter). All its parameters are frozen.
-    """
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(
-            config, dtype=target.dtype, attn_implementation=target.config._attn_implementation
-        )
-    src = target.model.layers
-    for j, i in enumerate(idx):
-        lm.model.layers[j].load_state_dict(src[i].state_dict(), assign=True)
-    lm.model.norm.load_state_dict(target.model.norm.state_dict(), assign=True)
-    lm.model.rotary_emb = type(target.model.rotary_emb)(config=config).to(target.device)
-    lm.set_input_embeddings(target.get_input_embeddings())
-    lm.set_output_embeddings(target.get_output_embeddings())
-    left = [n for n, t in [*lm.named_parameters(), *lm.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"tensors not taken from the target: {left[:3]}")
-    lm.requires_grad_(False)
-    return lm

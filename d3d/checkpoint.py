@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from d3d.adapters import AdapterConfig
 from d3d.drafter import (
@@ -30,6 +30,7 @@ from d3d.drafter import (
     _layer_stack,
     _vocab,
 )
+from d3d.skeleton import finish, meta_lm
 
 if TYPE_CHECKING:
     from d3d.drafter import D3DDrafter
@@ -89,15 +90,23 @@ def load_drafter(
     if meta.adapter is not None:
         return _load_adapter(cls, src, meta, target, device)
     cfg = AutoConfig.for_model(cfg_d.pop("model_type"), **cfg_d)
-    lm = AutoModelForCausalLM.from_config(
-        cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
-    )
-    drafter = cls(lm, meta)
+    # A meta skeleton (no random embeddings or head to drop), the target's shared modules, then
+    # the stored tensors by assignment, each cast once to the target's dtype on the drafter's
+    # device.
+    dev = device or target.device
+    lm = meta_lm(cfg, target.dtype, target.config._attn_implementation)
     if meta.shared_embeddings:
-        drafter.share_embeddings(target)
-    state = load_file(str(src / WEIGHTS_FILE))
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
+        lm.set_input_embeddings(target.get_input_embeddings())
+        lm.set_output_embeddings(target.get_output_embeddings())
+    drafter = cls(lm, meta)
+    state = {
+        k: v.to(dev, target.dtype if v.is_floating_point() else v.dtype)
+        for k, v in load_file(str(src / WEIGHTS_FILE)).items()
+    }
+    missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
     tied = getattr(cfg, "tie_word_embeddings", False) and not meta.shared_embeddings
+    if tied:
+        lm.tie_weights()
     missing = [
         k
         for k in missing
@@ -105,7 +114,8 @@ def load_drafter(
         and not (tied and k == "lm.lm_head.weight")
     ]
     _check_fit(src, missing, unexpected)
-    drafter.place(device or target.device, dtype=target.dtype)
+    finish(lm, dev, rotary=target.model.rotary_emb if meta.shared_embeddings else None)
+    drafter.place(dev)  # already in the target's dtype
     drafter.eval()
     return drafter
 

@@ -65,6 +65,13 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
         "a share of the device's free memory); a request that can never fit is refused",
     )
     g.add_argument(
+        "--prefix-cache",
+        default=None,
+        help="memory for the target's KV of shared prompt prefixes: auto (10%% of the free "
+        "memory on the target's device, the default), a share (25%%), a size (4GiB) or tokens "
+        "(32768tok)",
+    )
+    g.add_argument(
         "--no-pack",
         action="store_true",
         help="keep float32 CPU linear maps in PyTorch's own layout (default: prepacked for "
@@ -83,6 +90,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         pack=False if getattr(args, "no_pack", False) else None,
         costs_dir=_costs_dir(args),
         max_kv_tokens=getattr(args, "max_kv_tokens", None),
+        prefix_cache=getattr(args, "prefix_cache", None),
     )
 
 

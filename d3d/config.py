@@ -64,6 +64,63 @@ class DecodeConfig:
         _check(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30})
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """How much memory the target's prefix cache may hold.
+
+    ``fraction``: that share of the free memory on the target's device once its weights are
+    loaded; ``bytes``: a size; ``tokens``: that many tokens at the target's KV bytes per token.
+    Text forms (:meth:`parse`): ``auto`` (10% of free memory), ``25%``, ``4GiB`` / ``512MB`` /
+    a byte count (KiB, MiB, GiB and K, M, G are powers of 2; KB, MB, GB powers of 10),
+    ``32768tok``; ``0`` keeps nothing.
+    """
+
+    kind: str = "fraction"
+    value: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in ("fraction", "bytes", "tokens"), "prefix_cache", f"bad kind {self.kind!r}"
+        )
+        _check(self.value >= 0, "prefix_cache", f"must be >= 0, got {self.value}")
+        _check(
+            self.kind != "fraction" or self.value <= 1, "prefix_cache", "a share must be <= 100%"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> CacheBudget:
+        t = text.strip().lower().replace(" ", "")
+        try:
+            if t == "auto":
+                return cls()
+            if t.endswith("%"):
+                return cls("fraction", float(t[:-1]) / 100)
+            for suffix in ("tokens", "tok"):
+                if t.endswith(suffix):
+                    return cls("tokens", float(int(t[: -len(suffix)])))
+            digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+            return cls("bytes", float(int(float(digits) * _UNITS[t[len(digits) :]])))
+        except ConfigError:
+            raise
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"prefix_cache: {text!r} is not auto, a share (25%), a size (4GiB) or tokens "
+                "(32768tok)"
+            ) from None
+
+    def resolve(self, kv_bytes_per_token: int, free_bytes: int) -> int:
+        """The budget in bytes, given the target's KV bytes per token and the free memory."""
+        if self.kind == "fraction":
+            return int(self.value * free_bytes)
+        if self.kind == "tokens":
+            return int(self.value) * kv_bytes_per_token
+        return int(self.value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which target and drafter to load, and where.
@@ -83,6 +140,7 @@ class ModelConfig:
     pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.packing)
     costs_dir: str | None = None  # keep auto's measured costs here between processes
     max_kv_tokens: int | None = None  # the target's KV budget (None: from free device memory)
+    prefix_cache: str = "auto"  # the target's prefix-cache budget (CacheBudget.parse)
 
     def __post_init__(self) -> None:
         _check(bool(self.target.strip()), "target", "must not be empty")
@@ -98,6 +156,11 @@ class ModelConfig:
             "max_kv_tokens",
             f"must be >= 16, got {self.max_kv_tokens}",
         )
+        CacheBudget.parse(self.prefix_cache)  # raises naming the field
+
+    @property
+    def cache_budget(self) -> CacheBudget:
+        return CacheBudget.parse(self.prefix_cache)
 
     @property
     def resolved_drafter_device(self) -> str:
@@ -109,8 +172,9 @@ class ModelConfig:
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
         ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps),
-        ``D3D_COSTS_DIR`` (:mod:`d3d.cost_memory`) and ``D3D_MAX_KV_TOKENS``; explicit keyword
-        overrides win when not None."""
+        ``D3D_COSTS_DIR`` (:mod:`d3d.cost_memory`), ``D3D_MAX_KV_TOKENS`` and
+        ``D3D_PREFIX_CACHE`` (:class:`CacheBudget`); explicit keyword overrides win when not
+        None."""
         env = os.environ
         values: dict[str, object] = {
             "target": env.get("D3D_TARGET", "default"),
@@ -124,6 +188,7 @@ class ModelConfig:
             "max_kv_tokens": int(env["D3D_MAX_KV_TOKENS"])
             if env.get("D3D_MAX_KV_TOKENS")
             else None,
+            "prefix_cache": env.get("D3D_PREFIX_CACHE") or "auto",
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

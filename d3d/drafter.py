@@ -44,13 +44,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from d3d import masks
-from d3d.adapters import AdapterConfig, GatedAdapters, frozen_layers_lm, hide_gated_keys
+from d3d.adapters import AdapterConfig, GatedAdapters, hide_gated_keys
 from d3d.config import DEFAULT_BLOCK_SIZE, SamplingConfig
 from d3d.hf import cache_length, trim_cache, with_cache
 from d3d.session import Draft, DraftSession
+from d3d.skeleton import layers_lm
 
 __all__ = ["D3DDrafter", "Draft", "DraftSession", "DrafterError", "DrafterMeta"]
 
@@ -125,7 +126,10 @@ class D3DDrafter(nn.Module):
         self.meta = meta
         self.adapters = adapters
         emb = lm.get_input_embeddings().weight
-        init = emb.detach().float().mean(0) if mask_embedding is None else mask_embedding
+        # The mean row, accumulated in float32 without a float32 copy of the whole matrix.
+        init = (
+            emb.detach().mean(0, dtype=torch.float32) if mask_embedding is None else mask_embedding
+        )
         self.mask_embedding = nn.Parameter(init.to(device=emb.device, dtype=emb.dtype).clone())
         self.register_buffer(DRAFT_IDS_KEY, None)
         self.register_buffer("draft_head", None, persistent=False)
@@ -145,29 +149,29 @@ class D3DDrafter(nn.Module):
         base: str = "target",
         device: str | torch.device | None = None,
         adapter: AdapterConfig | None = None,
+        share: bool = False,
     ) -> D3DDrafter:
         """An (untrained) drafter made of some of the target's layers, sharing its embeddings
         and LM head. ``layers`` is a count (the first N layers) or explicit indices.
 
-        Without ``adapter`` the layers are copies (trained in full); with it they are the
-        target's own tensors, frozen, plus gated adapters (see the module docstring)."""
+        With ``adapter``, or ``share`` (a drafter that only runs inference), the layers are the
+        target's own tensors, frozen (no second copy on the target's device), plus the gated
+        adapters if any (see the module docstring); otherwise they are copies made straight on
+        the drafter's device, trained in full. Nothing vocabulary-sized is built here: the LM
+        is a meta-device skeleton filled by :func:`d3d.skeleton.layers_lm`."""
         src_layers = _layer_stack(target)
         idx = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
         if not idx or any(i < 0 or i >= len(src_layers) for i in idx):
             raise DrafterError(f"layers must be indices in [0, {len(src_layers)}), got {idx}")
         cfg = _sub_config(target.config, len(idx), idx)
         adapters = None
+        if adapter is not None or share:
+            lm = layers_lm(target, idx, cfg)
+        else:
+            lm = layers_lm(target, idx, cfg, copy_to=_resolve(device or target.device))
         if adapter is not None:
-            lm = frozen_layers_lm(target, idx, cfg)
             adapters = GatedAdapters(_layer_stack(lm), adapter).to(target.device)
             adapters.requires_grad_(False)  # training turns on what it updates
-        else:
-            lm = AutoModelForCausalLM.from_config(
-                cfg, dtype=target.dtype, attn_implementation=target.config._attn_implementation
-            )
-            for j, i in enumerate(idx):
-                _layer_stack(lm)[j].load_state_dict(src_layers[i].state_dict())
-            lm.model.norm.load_state_dict(target.model.norm.state_dict())
         meta = DrafterMeta(
             base=base,
             layers=tuple(idx),
@@ -193,17 +197,30 @@ class D3DDrafter(nn.Module):
 
         Shared embeddings / LM head are the target's modules; when the drafter goes to another
         device (its own GPU), it takes a copy of them there instead of dragging the target's
-        along.
+        along: one new tensor per matrix, made on ``device`` in ``dtype`` (never a copy on the
+        target's device first).
         """
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = _resolve(device)
         emb, head = self.lm.get_input_embeddings(), self.lm.get_output_embeddings()
         if self.meta.shared_embeddings and emb.weight.device != dev:
-            emb, head = copy.deepcopy((emb, head))  # one deepcopy keeps a tied head tied
+            # Deep-copy the module objects with their parameters already replaced by the moved
+            # tensors (the memo), so a tied head stays tied and nothing is copied twice.
+            memo: dict = {}
+            for p in {*emb.parameters(), *head.parameters()}:
+                moved = p.detach().to(dev, dtype or p.dtype)
+                memo[id(p)] = nn.Parameter(moved, requires_grad=p.requires_grad)
+            emb, head = copy.deepcopy((emb, head), memo)
             self.lm.set_input_embeddings(emb)
             self.lm.set_output_embeddings(head)
-        self.to(device=dev, dtype=dtype)
+        # Rotary frequencies keep their dtype (float32, as in the target): a bf16 drafter with
+        # bf16 frequencies would compute other positions than its target's layers do.
+        body = self.lm.model
+        rot = body._modules.pop("rotary_emb", None)
+        try:
+            self.to(device=dev, dtype=dtype)
+        finally:
+            if rot is not None:
+                body._modules["rotary_emb"] = rot.to(dev)
         return self
 
     def save(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -404,6 +421,14 @@ class D3DDrafter(nn.Module):
     ) -> torch.Tensor:
         """Target-vocabulary logits [K, V] of one block (see :meth:`block_scores`)."""
         return self.full_logits(self.block_scores(anchor, cache, pending))
+
+
+def _resolve(device: str | torch.device) -> torch.device:
+    """A torch device with the current CUDA index filled in (``cuda`` -> ``cuda:N``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _vocab(model: PreTrainedModel) -> int:

@@ -9,7 +9,10 @@ made of its first 5 and first 31 layers, and times, after a cached context:
   the draft being verified plus one block per branch, one 4D mask: :mod:`d3d.pipeline.drafting`);
 - the overlap of drafter and target on one GPU: the verify forward and an 8-branch forward run
   one after the other, then at the same time on two CUDA streams from two threads; the overlap
-  factor is (sequential time) / (concurrent time) (2.0 = fully hidden, 1.0 = none).
+  factor is (sequential time) / (concurrent time) (2.0 = fully hidden, 1.0 = none);
+- memory (CUDA's allocator; None on a CPU) beside what :mod:`d3d.memory` counts, as ``d3d plan``
+  does: the target's weights, the KV of the context, and what building each drafter beside the
+  target allocates (it shares the target's tensors: about its mask embedding) and at its peak.
 
 All figures are medians over repeats, written as one JSON. ``--tiny`` runs the same code on a
 small model (on CPU if there is no GPU), which is how the tests keep this script working.
@@ -29,6 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config
 
 from d3d.drafter import D3DDrafter
 from d3d.hf import trim_cache, with_cache
+from d3d.memory import kv_bytes_per_token, param_bytes
 from d3d.pipeline.drafting import draft_branches
 
 QWEN3_8B = dict(
@@ -55,6 +59,14 @@ TINY = dict(
 )
 
 
+def _allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _delta(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -79,14 +91,23 @@ def run_check(tiny: bool, context: int, repeats: int, drafter_layers: list[int])
     shape = TINY if tiny else QWEN3_8B
     cfg = Qwen3Config(**shape)
     t0 = time.perf_counter()
+    a0 = _allocated(device)
     with torch.device(device):
         target = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     target.eval().requires_grad_(False)
     build_s = time.perf_counter() - t0
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
+    a1 = _allocated(device)
     cache = DynamicCache()
     target(input_ids=ids, **with_cache(target, cache))
+    memory = {
+        "target_weight_bytes": {"allocated": _delta(a1, a0), "counted": param_bytes(target)},
+        "kv_bytes": {
+            "allocated": _delta(_allocated(device), a1),
+            "counted": kv_bytes_per_token(cfg, dtype) * context,
+        },
+    }
 
     def target_forward(n: int) -> None:
         x = ids[:, :n]
@@ -103,6 +124,7 @@ def run_check(tiny: bool, context: int, repeats: int, drafter_layers: list[int])
         "build_s": round(build_s, 2),
         "target_step_ms": _median_ms(lambda: target_forward(1), device, repeats),
         "target_verify16_ms": _median_ms(lambda: target_forward(16), device, repeats),
+        "memory": memory,
         "drafters": {},
     }
     for n_layers in drafter_layers:
@@ -114,7 +136,16 @@ def run_check(tiny: bool, context: int, repeats: int, drafter_layers: list[int])
 
 
 def _drafter_row(target, n_layers: int, ids: torch.Tensor, device, repeats: int, verify) -> dict:
-    drafter = D3DDrafter.from_target(target, n_layers, device=device)
+    before = _allocated(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    drafter = D3DDrafter.from_target(target, n_layers, device=device, share=True)
+    memory = {
+        "drafter_bytes": _delta(_allocated(device), before),
+        "build_peak_extra_bytes": _delta(
+            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, before
+        ),
+    }
     d_cache = DynamicCache()
     drafter.encode(ids[0].tolist(), d_cache)
     anchor = int(ids[0, -1])
@@ -131,6 +162,7 @@ def _drafter_row(target, n_layers: int, ids: torch.Tensor, device, repeats: int,
             n: _median_ms(lambda n=n: branches(n), device, repeats) for n in range(1, 9)
         },
         "overlap": _overlap(verify, lambda: branches(8), device, repeats),
+        "memory": memory,
     }
 
 

@@ -21,7 +21,7 @@ import inspect
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +50,7 @@ class LoadedModel:
     """A causal LM, its tokenizer, and the spec it was loaded from."""
 
     model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None: a partial target (load_target_part)
     spec: str
 
     @property
@@ -121,11 +121,16 @@ def load_target(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec (see the module docstring).
 
+    Weights go straight to ``device`` in their dtype (``device_map``: transformers builds the
+    model on the meta device and fills it from the files; on a CPU a tensor stored in the wanted
+    dtype stays a view of the mapped file), never a CPU copy moved afterwards. GGUF files are
+    dequantised on the CPU first.
+
     Shapes: the model maps ids [B, T] to logits [B, T, V].
     """
     torch_dtype = resolve_dtype(dtype, device)
     path = Path(spec).expanduser()
-    kwargs = {"dtype": torch_dtype, "attn_implementation": attn}
+    kwargs = {"dtype": torch_dtype, "attn_implementation": attn, "device_map": {"": device}}
     try:
         if spec.lower() in DEFAULT_SPECS:
             src = embedded_default_dir()
@@ -135,6 +140,7 @@ def load_target(
             if not path.is_file():
                 raise ModelLoadError(f"GGUF file not found: {path}")
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            kwargs.pop("device_map")  # dequantised on the CPU, moved below
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
             model.hf_quantizer = None
         elif path.exists() or spec.startswith((".", "/", "~")):
@@ -155,6 +161,59 @@ def load_target(
     model.to(device).eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tok, spec=spec)
+
+
+def local_folder(spec: str) -> Path | None:
+    """The folder a spec's weights are read from: the embedded default's converted copy, a local
+    model folder, or a hub id's local snapshot (config and safetensors only); None for a GGUF
+    file or a hub id that cannot be had."""
+    path = Path(spec).expanduser()
+    if spec.lower() in DEFAULT_SPECS:
+        return embedded_default_dir()
+    if spec.endswith(".gguf"):
+        return None
+    if path.exists() or spec.startswith((".", "/", "~")):
+        return path if (path / "config.json").is_file() else None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # offline, unknown id: the whole-model loader says why
+        log.info("no local snapshot of %s (%s)", spec, exc)
+        return None
+
+
+def load_target_part(
+    spec: str,
+    layers: Callable[[int], Iterable[int]],
+    device: str = "cpu",
+    dtype: str = "auto",
+    attn: str = "sdpa",
+) -> LoadedModel:
+    """The target of ``spec`` with only what a drafter reads: embeddings, LM head, final norm
+    and the decoder layers ``layers(depth)`` (``depth``: the target's number of layers), read
+    from safetensors straight to ``device`` in ``dtype``; the other layers stay on the meta
+    device and cost nothing (:func:`d3d.skeleton.load_partial`). No tokenizer. Where the
+    weights are not in safetensors (a GGUF file) the whole target is loaded and the unread
+    layers are released afterwards."""
+    from transformers import AutoConfig
+
+    from d3d.skeleton import load_partial
+
+    torch_dtype = resolve_dtype(dtype, device)
+    folder = local_folder(spec)
+    model = None
+    if folder is not None:
+        depth = int(AutoConfig.from_pretrained(folder).num_hidden_layers)
+        model = load_partial(folder, layers(depth), device, torch_dtype, attn)
+    if model is None:
+        log.info("%s: loading the whole target, then dropping the layers the drafter skips", spec)
+        model = load_target(spec, device, dtype, attn).model
+        keep = set(layers(len(model.model.layers)))
+        for i, layer in enumerate(model.model.layers):
+            if i not in keep:
+                layer.to("meta")
+    return LoadedModel(model=model, tokenizer=None, spec=spec)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -9,8 +9,6 @@
 """
 
 from d3d.engine.front import (
-    CHECKPOINTS,
-    DEFAULT_DRAFTER_DIR,
     DrafterFactory,
     Engine,
     Generation,
@@ -24,8 +22,6 @@ from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import decode, stream
 
 __all__ = [
-    "CHECKPOINTS",
-    "DEFAULT_DRAFTER_DIR",
     "DrafterFactory",
     "Engine",
     "GenRequest",

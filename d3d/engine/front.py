@@ -30,17 +30,19 @@ import torch
 
 from d3d.calibration import seed
 from d3d.clock import Clock
-from d3d.config import DEFAULT_BLOCK_SIZE, DecodeConfig, ModelConfig
+from d3d.config import DEFAULT_BLOCK_SIZE, CacheBudget, DecodeConfig, ModelConfig
 from d3d.cost_memory import costs_path, load_costs, save_costs
 from d3d.decode import ArProposer, Proposer, SyncProposer
 from d3d.drafter import D3DDrafter, DrafterError
+from d3d.drafter_specs import borrowed_layers, resolve_spec, self_layers
 from d3d.engine.kv import default_kv_tokens
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import stream
 from d3d.kv_store import PrefixCache
 from d3d.lookup import CopyDrafts
-from d3d.models import DEFAULT_SPECS, LoadedModel, ModelLoadError, encode_prompt, load_target
+from d3d.memory import prefix_cache_bytes
+from d3d.models import LoadedModel, ModelLoadError, encode_prompt, load_target, load_target_part
 from d3d.packing import pack_linears
 from d3d.pipeline import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
 from d3d.pipeline.proposer import BatchedLink
@@ -49,10 +51,6 @@ from d3d.policy import AutoProposer, HostCosts
 from d3d.stats import DecodeStats
 
 log = logging.getLogger(__name__)
-
-CHECKPOINTS = Path(__file__).parent / "checkpoints"
-DEFAULT_DRAFTER_DIR = CHECKPOINTS / "smollm2-135m"
-FALLBACK_LAYERS = 4
 
 
 def check_device(device: str) -> None:
@@ -74,31 +72,22 @@ def check_device(device: str) -> None:
         raise ModelLoadError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
 
 
-def build_drafter(spec: str, target: LoadedModel, device: str | None = None) -> D3DDrafter:
-    """Resolve a drafter spec against a loaded target (see the module docstring)."""
-    if spec == "default":
-        shipped = (
-            target.spec.lower() in DEFAULT_SPECS
-            and (DEFAULT_DRAFTER_DIR / "drafter.json").is_file()
+def build_drafter(
+    spec: str, target: LoadedModel, device: str | None = None, share_layers: bool = False
+) -> D3DDrafter:
+    """Resolve a drafter spec against a loaded target (see :mod:`d3d.drafter_specs`).
+    ``share_layers``: a ``self:`` drafter runs on the target's own layer tensors (inference:
+    no second copy) instead of copies that training may update."""
+    depth = int(target.model.config.num_hidden_layers)
+    resolved = resolve_spec(spec, target.spec, depth)
+    if resolved != spec and resolved.startswith("self:"):
+        log.warning("no trained drafter for %s: using %s, untrained", target.spec, resolved)
+    layers = self_layers(resolved)
+    if layers is not None:
+        return D3DDrafter.from_target(
+            target.model, layers, base=target.spec, device=device, share=share_layers
         )
-        if shipped:
-            spec = str(DEFAULT_DRAFTER_DIR)
-        else:
-            n = min(FALLBACK_LAYERS, target.model.config.num_hidden_layers)
-            log.warning(
-                "no trained drafter for %s: using its first %d layers, untrained", target.spec, n
-            )
-            spec = f"self:{n}"
-    if spec.startswith("self:"):
-        body = spec[len("self:") :]
-        try:
-            layers: int | list[int] = (
-                [int(x) for x in body.split(",")] if "," in body else int(body)
-            )
-        except ValueError as exc:
-            raise DrafterError(f"bad drafter spec {spec!r}: use self:N or self:i,j,k") from exc
-        return D3DDrafter.from_target(target.model, layers, base=target.spec, device=device)
-    path = Path(spec).expanduser()
+    path = Path(resolved).expanduser()
     if not path.exists():
         raise DrafterError(f"drafter checkpoint not found: {path}")
     return D3DDrafter.load(path, target.model, device=device)
@@ -125,8 +114,15 @@ class DrafterFactory:
     cfg: ModelConfig
 
     def __call__(self) -> D3DDrafter:
-        target = load_target(self.cfg.target, device="cpu", dtype=self.cfg.dtype)
-        drafter = build_drafter(self.cfg.drafter, target, "cpu")
+        # Only what the drafter reads, in the configured dtype: its layers (if the target's),
+        # the embeddings, LM head and final norm; the target's other layers are never read.
+        target = load_target_part(
+            self.cfg.target,
+            lambda depth: borrowed_layers(self.cfg.drafter, self.cfg.target, depth),
+            device="cpu",
+            dtype=self.cfg.dtype,
+        )
+        drafter = build_drafter(self.cfg.drafter, target, "cpu", share_layers=True)
         if self.cfg.pack:
             pack_linears(drafter.lm)
         return drafter
@@ -189,7 +185,9 @@ class Engine:
         self.drafter = drafter
         self.model_cfg = model_cfg
         self.host = HostCosts()
-        self.prefix_cache = PrefixCache()  # the target's KV of prompt prefixes requests share
+        # The target's KV of prompt prefixes requests share, sized from the memory there is.
+        budget = model_cfg.cache_budget if model_cfg is not None else CacheBudget()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes(target.model, budget))
         self.worker_restarts = 0
         self._worker: WorkerClient | None = None
         self._worker_lock = threading.Lock()
@@ -223,7 +221,7 @@ class Engine:
         if cfg.pack:
             pack_linears(target.model)
         drafter = (
-            build_drafter(cfg.drafter, target, cfg.resolved_drafter_device)
+            build_drafter(cfg.drafter, target, cfg.resolved_drafter_device, share_layers=True)
             if with_drafter
             else None
         )

@@ -11,8 +11,9 @@ prepares the next round while the target verifies:
   and its KV is dropped afterwards. On this CPU a forward costs about its token count, so a
   weak drafter, whose likely outcomes are k = 0 or 1, pays for a chain of one or two tokens, not
   sixteen.
-- :func:`encode_chain`: append tokens causally and read the drafter's next-token scores there
-  (the first block of a request: the prompt's last token predicts the first answer token).
+- :func:`encode_chain`: append tokens causally and read the drafter's next-token scores at the
+  last of them (the first block of a request: the prompt's last token predicts the first answer
+  token; the LM head runs over that row only).
 
 All drafter forwards go through :meth:`D3DDrafter.body`, which knows the mask slots.
 Letters: S cached length, K = B-1 draft length, n branches, V_d draft vocabulary, H hidden.
@@ -31,13 +32,21 @@ from d3d.hf import cache_length, trim_cache
 
 
 @torch.inference_mode()
-def encode_chain(drafter: D3DDrafter, cache: DynamicCache, ids: Sequence[int]) -> torch.Tensor:
-    """Append ids [T] causally; draft-space next-token scores at each of them: [T, V_d]."""
+def encode_chain(
+    drafter: D3DDrafter, cache: DynamicCache, ids: Sequence[int], keep: int | None = None
+) -> torch.Tensor:
+    """Append ids [T] causally; draft-space next-token scores at the last ``keep`` of them
+    (None: all): [min(keep, T), V_d].
+
+    The LM head runs over those rows only: a prompt's first block needs the last row, and
+    scores for every row of a 32k-token prompt would be ~10 GB at Qwen3's vocabulary.
+    """
     s = cache_length(cache)
     x = torch.tensor([list(ids)], device=drafter.device)
     pos = torch.arange(s, s + x.shape[1], device=drafter.device).unsqueeze(0)
-    hidden = drafter.body(drafter.lm.get_input_embeddings()(x), pos, None, cache)
-    return drafter.head(hidden[0])
+    hidden = drafter.body(drafter.lm.get_input_embeddings()(x), pos, None, cache)  # [1, T, H]
+    rows = hidden[0] if keep is None else hidden[0, max(hidden.shape[1] - keep, 0) :]
+    return drafter.head(rows)
 
 
 @torch.inference_mode()

@@ -198,7 +198,7 @@ class DraftServer:
         pending, anchor = self._rewind(sess), sess.committed[-1]
         n0 = len(sess.committed)  # the anchor is committed token n0 - 1
         if block is None:  # the drafter's own next-token view at the prompt's end
-            scores = encode_chain(d, sess.cache, [*pending, anchor])[-1:]  # [1, V_d]
+            scores = encode_chain(d, sess.cache, [*pending, anchor], keep=1)  # [1, V_d]
             sess.cached_ids, pending = list(sess.committed), []
             drafts: list[int] = []
         else:  # the target verifies the first `length` drafts: rows 0..length are outcomes

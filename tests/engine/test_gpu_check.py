@@ -31,6 +31,12 @@ def test_gpu_check_tiny_writes_every_figure(tmp_path):
     row = res["drafters"]["2"]
     assert set(row["branches_ms"]) == {str(n) for n in range(1, 9)}
     assert row["overlap"]["overlap_factor"] > 0
+    mem = res["memory"]  # counted everywhere, allocated where CUDA counts
+    assert (
+        mem["target_weight_bytes"]["counted"] > 0
+        and mem["kv_bytes"]["counted"] == 2 * 6 * 2 * 16 * 4 * 32
+    )
+    assert set(row["memory"]) == {"drafter_bytes", "build_peak_extra_bytes"}
 
 
 @pytest.mark.gpu
