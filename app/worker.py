@@ -282,11 +282,16 @@ class EngineWorker:
             self._admit(job, prepared)
 
     def _read(self) -> None:
-        """The reader thread: compress documents, hand their prompts to the engine thread."""
+        """The reader thread: compress documents, hand their prompts to the engine thread. It
+        reads on the drafter's cores where the drafter has its own, never on the target's."""
+        spared = False
         while not self._stop.is_set():
             job = self._reading.get()
             if job is None:
                 return
+            if not spared and self.engine is not None and hasattr(self.engine, "spare_thread"):
+                self.engine.spare_thread()
+                spared = True
             prepared = self._prepare(job)
             if prepared is None:
                 self._count(-1)

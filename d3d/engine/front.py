@@ -20,6 +20,7 @@ untrained), ``self:0,5,9`` (those layers), or a checkpoint directory written by
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -194,6 +195,7 @@ class Engine:
         self._cpu: _CpuBudget | None = None  # set while a drafter process holds cores
         self.manage_cpu = True  # False: the caller sets this process's CPU budget itself
         self._cpu_state: bool | None = None  # the budget in force (True: the drafter's share)
+        self._spare: set[int] = set()  # threads kept off the target's cores (document readers)
         self._batched: BatchedLink | None = None
         self._scheduler: Scheduler | None = None
         self.default_block = DEFAULT_BLOCK_SIZE  # the copy rounds' block without a drafter
@@ -312,8 +314,22 @@ class Engine:
         if self._cpu is None or not self.manage_cpu or self._cpu_state is speculating:
             return
         cores, threads = self._cpu.own if speculating else self._cpu.full
-        pin_process(sorted(cores), threads)
+        pin_process(sorted(cores), threads, self._spare)
         self._cpu_state = speculating
+
+    def spare_thread(self) -> None:
+        """Keep the calling thread (one that reads documents beside decoding) off the target's
+        cores for good: on the drafter process's cores where it has its own, otherwise wherever
+        the OS puts it. The target's CPU budget then never moves it."""
+        import os
+
+        tid = threading.get_native_id()
+        self._spare.add(tid)
+        if self._cpu is not None:
+            spare = self._cpu.full[0] - self._cpu.own[0]
+            if spare:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, spare)
 
     def close(self) -> None:
         """Stop the drafter worker (and give the target its cores back)."""
@@ -403,6 +419,11 @@ class Engine:
         return self._scheduler
 
     def _proposer_for(self, req: GenRequest) -> Proposer:
+        if req.mode == "auto" and not req.sampling.greedy and req.sampling.seed is not None:
+            # A seed asks for the same text again. Sampling stays exact in every mode, but which
+            # random draws a request makes depends on its rounds, and auto's rounds follow
+            # costs that change between requests: a seeded sampled request decodes plainly.
+            return ArProposer()
         return self.proposer(req.mode, req.max_new_tokens, req.copy)
 
     def _after_step(self, rows: Sequence[Row]) -> None:

@@ -198,6 +198,7 @@ class Scheduler:
 
     # -- decoding ------------------------------------------------------------------------------
     def _decode(self, rows: Sequence[Row]) -> None:
+        t0 = self.clock.now()
         proposals = [r.proposer.propose(r.tokens) for r in rows]
         width = 1 + max(p.k for p in proposals)
         rides = [False] * len(rows)
@@ -209,8 +210,12 @@ class Scheduler:
         ids = [[r.tokens[-1], *p.tokens.tolist()] for r, p in zip(rows, proposals, strict=True)]
         logits = self.target.forward([r.kv for r in rows], ids)  # [n, T, V]
         seconds = self.last_verify_s = self.target.last_seconds
-        for b, (row, p) in enumerate(zip(rows, proposals, strict=True)):
-            acc = accept(logits[b, : p.k + 1], p.tokens, p.q, row.req.sampling, row.generator)
+        accs = [
+            accept(logits[b, : p.k + 1], p.tokens, p.q, row.req.sampling, row.generator)
+            for b, (row, p) in enumerate(zip(rows, proposals, strict=True))
+        ]
+        step_s = self.clock.now() - t0  # waits for blocks + the batched verify + acceptance
+        for b, (row, p, acc) in enumerate(zip(rows, proposals, accs, strict=True)):
             self.kv.commit(row.kv, acc.num_emitted)
             # A row that rode in a wider forward than its own round did not pay for it alone.
             own = p.k + 1 == width and not rides[b]
@@ -228,6 +233,7 @@ class Scheduler:
                     speculative=p.k > 0,
                     failed=p.failed,
                     copied=p.source == "copy",
+                    step_s=step_s,
                 )
             )
 

@@ -37,8 +37,13 @@ from d3d.pipeline.server import DraftServer, ServerConfig
 log = logging.getLogger(__name__)
 
 
-def pin_process(cores: list[int] | None, threads: int | None = None) -> None:
-    """Pin every thread of this process to ``cores`` and size torch's pool to match.
+def pin_process(
+    cores: list[int] | None,
+    threads: int | None = None,
+    skip: frozenset[int] | set[int] = frozenset(),
+) -> None:
+    """Pin every thread of this process but those in ``skip`` (native ids) to ``cores`` and
+    size torch's pool to match.
 
     (Linux affinity is per thread; threads started later inherit it.) None leaves affinity
     alone and only sets the thread count when given.
@@ -49,7 +54,7 @@ def pin_process(cores: list[int] | None, threads: int | None = None) -> None:
             tids = [int(t) for t in os.listdir("/proc/self/task")]
         except OSError:
             tids = [0]
-        for tid in tids:
+        for tid in (t for t in tids if t not in skip):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(tid, cpus)
     n = threads or (len(cores) if cores else None)

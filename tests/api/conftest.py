@@ -67,9 +67,10 @@ def start(settings: ServeSettings, engine_factory=None, ready_timeout: float = 6
     raise RuntimeError("the server did not become ready")
 
 
-def tiny_engine(_settings) -> Engine:
+def tiny_engine(settings) -> Engine:
     model = tiny_model("llama", seed=1, window=512)
-    return Engine(LoadedModel(model=model, tokenizer=tiny_tokenizer(), spec="tiny"))
+    loaded = LoadedModel(model=model, tokenizer=tiny_tokenizer(), spec="tiny")
+    return Engine(loaded, None, settings.model)
 
 
 @pytest.fixture(scope="session")
@@ -86,9 +87,8 @@ def live():
 
 
 def tiny_server(**overrides) -> Live:
-    settings = ServeSettings(
-        model=ModelConfig(target="tiny"), port=free_port(), served_model_name="tiny", **overrides
-    )
+    overrides.setdefault("model", ModelConfig(target="tiny"))
+    settings = ServeSettings(port=free_port(), served_model_name="tiny", **overrides)
     return start(settings, tiny_engine)
 
 

@@ -105,3 +105,23 @@ def test_garbage_never_gets_a_5xx(tiny, path):
             tiny.url + path, content=payload, headers={"content-type": "application/json"}
         )
         assert 400 <= r.status_code < 500, (payload, r.status_code, r.text)
+
+
+def test_a_prompt_the_kv_budget_can_never_hold_is_refused_and_the_server_goes_on():
+    """``--max-kv-tokens``: a /qa prompt that cannot fit is a 413 naming the KV limit; the next
+    request is answered as usual."""
+    from d3d.config import ModelConfig
+
+    srv = tiny_server(model=ModelConfig(target="tiny", max_kv_tokens=256))
+    try:
+        document = " ".join(f"w{1 + i % 90}" for i in range(300))
+        body = {"document": document, "question": "w5 w6", "keep_ratio": 1.0, "scorer": "bm25"}
+        r = httpx.post(srv.url + "/qa", json=body, timeout=60)
+        assert r.status_code == 413, r.text
+        assert "KV limit is 256 tokens" in r.json()["error"]["message"]
+        assert "--max-kv-tokens" in r.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert srv.worker.model_info["max_kv_tokens"] == 256
+    finally:
+        srv.stop()

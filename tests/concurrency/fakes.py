@@ -13,7 +13,7 @@ import itertools
 from collections import deque
 
 from d3d.config import SamplingConfig
-from d3d.pipeline.protocol import Block, Close, Commit, Failed, Open
+from d3d.pipeline.protocol import Block, Close, Commit, Commits, Failed, Open
 
 
 class FakeClock:
@@ -28,7 +28,8 @@ class FakeClock:
 
 
 class ScriptedWorker:
-    """A :class:`d3d.pipeline.WorkerLink` whose behaviour per block comes from ``script``:
+    """A :class:`d3d.pipeline.WorkerLink` whose behaviour per block comes from ``script``
+    (one step's :class:`Commits` are taken one commit after another):
     "hit", "miss", "stale" (a stale block, then the right one, a hit), "fail" (a Failed
     reply), "hang" (nothing, ever again) or "die" (the link goes dead). The script repeats its
     last entry."""
@@ -43,6 +44,7 @@ class ScriptedWorker:
         self.sessions: dict[int, dict] = {}
         self.boxes: dict[int, deque] = {}
         self.closed: list[int] = []
+        self.batches: list[list[int]] = []  # the sessions of each Commits message
         self._ids = itertools.count(1)
 
     def new_session(self) -> int:
@@ -68,6 +70,12 @@ class ScriptedWorker:
                 "draft": self.drafter.session(sampling, None),
                 "hung": False,
             }
+        elif isinstance(msg, Commits):  # one engine step: every row's commit
+            self.batches.append([c.sid for c in msg.items])
+            self.events.append(("commits", len(msg.items)))
+            for c in msg.items:
+                if c.sid in self.sessions:
+                    self.send(c)
         elif isinstance(msg, Close):
             self.closed.append(msg.sid)
             self.sessions.pop(msg.sid, None)
@@ -98,7 +106,7 @@ class ScriptedWorker:
         if box:
             msg = box.popleft()
             if isinstance(msg, Block):
-                self.events.append(("deliver", msg.pos))
+                self.events.append(("deliver", msg.pos, sid))
             return msg
         if not self.alive:  # like WorkerClient: a dead worker wakes its waiters at once
             return None

@@ -268,7 +268,7 @@ def test_sampled_auto_rows_with_copies_run_and_stay_in_vocab():
     engine.eos_ids = set()
     outs = [Collector() for _ in range(2)]
     for i, c in enumerate(outs):
-        s = SamplingConfig(temperature=0.7, seed=i)
+        s = SamplingConfig(temperature=0.7)  # unseeded: a seeded auto row decodes plainly
         engine.add(c.request([3, 4, 5, 6, 7, 8] * 5, 16, "auto", s))
     while not engine.idle:
         engine.step()
