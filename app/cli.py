@@ -87,9 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--prefill-share",
         type=float,
         default=None,
-        help="while requests decode, a chunk of another's prompt may cost this share of a "
-        "step's verify forward (D3D_PREFILL_SHARE, default 1.0: decoding rows at most about "
-        "twice as slow while prompts are read)",
+        help="while requests decode, chunks of other prompts read in the same forward may make "
+        "the step at most this much longer again (D3D_PREFILL_SHARE, default 2.0: decoding rows "
+        "at most about 3x slower while long prompts are read, in exchange for reading them "
+        "faster)",
     )
     add_model_args(p)
     p.set_defaults(func=cmd_serve)

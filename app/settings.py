@@ -62,7 +62,7 @@ class ServeSettings:
     doc_cache_dir: str | None = None  # the document cache's disk tier (None: memory only)
     warmup: bool = True
     copy: bool = True  # auto rows may verify copies of their own text (d3d.lookup)
-    prefill_share: float = 1.0  # a prompt chunk may cost this share of a step's verify forward
+    prefill_share: float = 2.0  # prompt chunks may make a decoding step this much longer
 
     def __post_init__(self) -> None:
         checks = [

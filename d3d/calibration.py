@@ -96,7 +96,7 @@ def calibrate(
     row = target.kv.open(CONTEXT + block_size)
     switch(False)
     t0 = clock.now()
-    target.forward([row], [ctx], [CONTEXT - 1])
+    target.forward([row], [ctx], [[CONTEXT - 1]])
     read = (clock.now() - t0) / len(ctx)
     target.kv.commit(row, CONTEXT)
 

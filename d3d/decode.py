@@ -55,6 +55,7 @@ class Proposal:
     branches: int = 0
     failed: bool = False  # the drafter worker failed during this round (counted once)
     source: str = "drafter"  # or "copy": tokens copied from the request's text (d3d.lookup)
+    rode: bool = False  # verified only because another row made the forward wide
 
     @property
     def k(self) -> int:

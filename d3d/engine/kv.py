@@ -1,28 +1,24 @@
-"""The target's KV cache: one pool of token slots, pages per row, a budget you can state.
+"""The target's KV cache: keys and values per row, each growing with its row, under a budget.
 
-Every row (a running request) owns a list of pages of ``PAGE`` token slots in one pool per
-layer (keys and values ``[P + 1, Hkv, D]``: P slots, then one scratch slot). A row's capacity
-grows a page at a time with the row itself, so a long request among short ones costs its own
-length, never the longest row's times the batch. The pool grows geometrically up to
-``max_tokens`` (``--max-kv-tokens``), the budget admission works against: a request reserves
-prompt + budget + one block when it is admitted (:meth:`PagedKV.fits`), so a running row never
-runs out of pages, a request that does not fit now waits, and one that could never fit is
-refused at once (:class:`KvLimitError`, whose message names the limit).
+Every row (a running request) owns, per layer, key and value buffers ``[Hkv, C, D]`` whose
+capacity C grows with the row (doubling, in steps of ``GROW`` positions, never past what the row
+reserved): a long request among short ones costs its own length, never the longest row's times
+the batch, and a row's keys are one contiguous view, read in place by attention (no gather,
+no copy per step). The budget is ``max_tokens`` (``--max-kv-tokens``): a request reserves
+prompt + budget + one block when it is admitted (:meth:`RowKV.fits`), so a running row never
+runs out, a request that does not fit now waits, and one that could never fit is refused at
+once (:class:`KvLimitError`, whose message names the limit). What is allocated at any moment
+is the rows' capacities, at most what they reserved.
 
-A forward covers any list of rows, each with its own number T_r of new tokens (padded to the
-longest, T). :meth:`PagedKV.begin` computes where each new token's key goes (the row's slot for
-its position; padding goes to the scratch slot) and which slots each row attends to
-(``[n, L]``, L = the longest row's length + T), with the bool mask ``[n, 1, T, L]`` that lets
-query t of row r see keys ``0 .. len_r + t``. :meth:`update` (the Hugging Face ``Cache`` hook,
-called once per layer) writes the new keys and gathers each row's keys in position order, so a
-row computes what it would alone. Nothing is kept until :meth:`commit`: rolling back rejected
-drafts is not committing them (their slots are overwritten by the next write).
+A forward covers any list of rows, each with its own number T_r of new tokens, flattened into
+one sequence of N tokens (:mod:`d3d.engine.ragged`). :meth:`RowKV.begin` gives the position ids
+and each row's :class:`~d3d.engine.ragged.Segment`; :meth:`RowKV.update` (the Hugging Face
+``Cache`` hook, called once per layer) writes each row's new keys at its own length, and the
+ragged attention reads the row's buffer up to its length plus T_r. Nothing is kept until
+:meth:`commit`: rolling back rejected drafts is not committing them (their positions are
+overwritten by the next write).
 
-The gather copies a layer's keys for the rows in the forward (one layer at a time); that copy is
-the price of pages without a custom attention kernel, and what a ``DynamicCache`` pays anyway
-(it concatenates the whole cache at every step).
-
-Letters: P pool slots, n rows, T new tokens per row, L attended keys, Hkv KV heads, D head dim.
+Letters: N new tokens of a forward, C a row's capacity, Hkv KV heads, D head dim.
 """
 
 from __future__ import annotations
@@ -34,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, DynamicCache
 
-PAGE = 16  # token slots per page
-MIN_POOL = 64  # pages the pool starts with once a row needs one
+from d3d.engine.ragged import Segment
+
+GROW = 64  # capacity is allocated in multiples of this many positions
 
 
 class KvLimitError(ValueError):
@@ -51,12 +48,21 @@ class KvLimitError(ValueError):
 
 @dataclass
 class KvRow:
-    """One row's pages, its committed length, and the tokens it reserved at admission."""
+    """One row's key and value buffers per layer ``[Hkv, C, D]``, its committed length, and the
+    tokens it reserved at admission."""
 
     reserved: int
     length: int = 0
-    pages: list[int] = field(default_factory=list)
-    slots: torch.Tensor | None = None  # [len(pages) * PAGE] pool slot of each position
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1] if self.k else 0
+
+    def keys(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n keys and values of ``layer``, in place: [1, Hkv, n, D] each."""
+        return self.k[layer][None, :, :n], self.v[layer][None, :, :n]
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -82,11 +88,11 @@ def default_kv_tokens(model, share_cpu: float = 0.25, share_gpu: float = 0.8) ->
             free = 8 << 30
         budget = share_cpu * free
     window = getattr(model.config, "max_position_embeddings", 0) or 0
-    return max(int(budget // per) // PAGE * PAGE, window, PAGE)
+    return max(int(budget // per), window, GROW)
 
 
-class PagedKV(Cache):
-    """A paged KV pool for Llama/Qwen-style decoders (see the module docstring)."""
+class RowKV(Cache):
+    """Per-row KV buffers for Llama/Qwen-style decoders (see the module docstring)."""
 
     def __init__(
         self,
@@ -98,23 +104,18 @@ class PagedKV(Cache):
         max_tokens: int,
     ):
         super().__init__(layers=[])
-        if max_tokens < PAGE:
-            raise ValueError(f"max_kv_tokens must be >= {PAGE}, got {max_tokens}")
+        if max_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be >= 1, got {max_tokens}")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.max_pages = max_tokens // PAGE
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.pages = 0  # pages allocated in the pool so far
-        self.free: list[int] = []
+        self.max_tokens = max_tokens
         self.reserved = 0
-        self._write: torch.Tensor | None = None
-        self._gather: torch.Tensor | None = None
-        self._kv_len = 0
+        self.rows: list[KvRow] = []  # open rows (what is allocated)
+        self._fwd: list[tuple[KvRow, int, int]] = []  # (row, first query, new tokens)
         self._past = 0
 
     @classmethod
-    def for_model(cls, model, max_tokens: int) -> PagedKV:
+    def for_model(cls, model, max_tokens: int) -> RowKV:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -123,153 +124,120 @@ class PagedKV(Cache):
 
     # -- the budget ----------------------------------------------------------------------------
     @property
-    def max_tokens(self) -> int:
-        return self.max_pages * PAGE
-
-    @property
-    def scratch(self) -> int:
-        return self.pages * PAGE
-
-    @property
     def bytes_per_token(self) -> int:
         size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.kv_heads * self.head_dim * size
 
     @property
     def allocated_bytes(self) -> int:
-        return (self.scratch + 1) * self.bytes_per_token if self.k else 0
+        return sum(r.capacity for r in self.rows) * self.bytes_per_token
 
     def check(self, need: int) -> None:
         """Raise :class:`KvLimitError` if ``need`` tokens could never fit."""
-        if _pages(need) > self.max_pages:
+        if need > self.max_tokens:
             raise KvLimitError(need, self.max_tokens)
 
     def fits(self, need: int) -> bool:
         """Whether a request reserving ``need`` tokens can be admitted now."""
-        return self.reserved + _pages(need) <= self.max_pages
+        return self.reserved + need <= self.max_tokens
 
     def open(self, need: int) -> KvRow:
         """A new row reserving ``need`` tokens (call :meth:`fits` first)."""
         self.check(need)
-        self.reserved += _pages(need)
-        return KvRow(reserved=_pages(need))
+        self.reserved += need
+        row = KvRow(reserved=need)
+        self.rows.append(row)
+        return row
 
     def close(self, row: KvRow) -> None:
-        """Give a row's pages and reservation back."""
-        self.free += row.pages
-        self.reserved -= row.reserved
-        row.pages, row.slots, row.length, row.reserved = [], None, 0, 0
-        if self.reserved == 0:
-            self.free.sort()
+        """Give a row's buffers and reservation back."""
+        if row in self.rows:
+            self.rows.remove(row)
+            self.reserved -= row.reserved
+        row.k, row.v, row.length, row.reserved = [], [], 0, 0
 
     # -- storage -------------------------------------------------------------------------------
-    def _grow(self, pages: int) -> None:
-        """Make the pool at least ``pages`` pages (geometrically, up to the limit)."""
-        new = min(self.max_pages, max(pages, 2 * self.pages, MIN_POOL))
-        shape = (new * PAGE + 1, self.kv_heads, self.head_dim)
-        old = self.scratch
+    def ensure(self, row: KvRow, length: int) -> None:
+        """Give ``row`` room for ``length`` positions (doubling, never past its reservation
+        rounded up to ``GROW``)."""
+        cap = row.capacity
+        if length <= cap:
+            return
+        limit = -(-max(row.reserved, length) // GROW) * GROW
+        new = min(max(length, 2 * cap), limit)
+        new = -(-new // GROW) * GROW
+        shape = (self.kv_heads, new, self.head_dim)
         k = [
             torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
         v = [
             torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
-        for i in range(len(self.k)):
-            k[i][:old] = self.k[i][:old]
-            v[i][:old] = self.v[i][:old]
-        self.k, self.v = k, v
-        self.free += list(range(self.pages, new))
-        self.pages = new
-
-    def ensure(self, row: KvRow, length: int) -> None:
-        """Give ``row`` pages for ``length`` positions."""
-        need = _pages(length) - len(row.pages)
-        if need <= 0:
-            return
-        if need > len(self.free):
-            self._grow(self.pages + need - len(self.free))
-        new, self.free = self.free[:need], self.free[need:]
-        row.pages += new
-        add = torch.tensor(new, dtype=torch.long, device=self.device)
-        slots = (add[:, None] * PAGE + torch.arange(PAGE, device=self.device)).flatten()
-        row.slots = slots if row.slots is None else torch.cat([row.slots, slots])
+        n = row.length
+        for i in range(len(row.k)):
+            k[i][:, :n] = row.k[i][:, :n]
+            v[i][:, :n] = row.v[i][:, :n]
+        row.k, row.v = k, v
 
     def load(self, row: KvRow, cache: DynamicCache) -> None:
         """Fill an empty row with a :class:`~transformers.DynamicCache`'s keys and values."""
         n = cache.get_seq_length()
         self.ensure(row, n)
-        assert row.slots is not None
-        idx = row.slots[:n]
         for i, layer in enumerate(cache.layers):
-            self.k[i][idx] = layer.keys[0].transpose(0, 1).to(self.dtype)
-            self.v[i][idx] = layer.values[0].transpose(0, 1).to(self.dtype)
+            row.k[i][:, :n] = layer.keys[0].to(self.dtype)
+            row.v[i][:, :n] = layer.values[0].to(self.dtype)
         row.length = n
 
     def snapshot(self, row: KvRow) -> DynamicCache:
         """A row's committed keys and values as a :class:`~transformers.DynamicCache` (copies)."""
         out = DynamicCache()
-        idx = row.slots[: row.length] if row.slots is not None else None
         for i in range(self.num_layers):
-            if idx is None:
+            if row.k:
+                k, v = (t.clone() for t in row.keys(i, row.length))
+            else:
                 shape = (1, self.kv_heads, 0, self.head_dim)
                 k = v = torch.empty(shape, dtype=self.dtype, device=self.device)
-            else:
-                k = self.k[i][idx].transpose(0, 1).unsqueeze(0)
-                v = self.v[i][idx].transpose(0, 1).unsqueeze(0)
             out.update(k, v, i)
         return out
 
     # -- one forward ---------------------------------------------------------------------------
     def begin(
         self, rows: Sequence[KvRow], widths: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prepare a forward where row b appends ``widths[b]`` tokens (padded to T).
-
-        Returns (position ids [n, T], bool attention mask [n, 1, T, L]); the next ``update``
-        calls write row b's new keys at its positions ``len_b .. len_b + widths[b] - 1``.
-        """
-        dev = self.device
-        t_max = max(widths)
-        lens = [r.length for r in rows]
-        kv_len = max(lens) + t_max
+    ) -> tuple[torch.Tensor, list[Segment]]:
+        """Prepare a ragged forward where row b appends ``widths[b]`` tokens (one after another
+        in a flat sequence of N). Returns (position ids [1, N], the rows' segments for
+        :func:`~d3d.engine.ragged.ragged_attention`); the next ``update`` calls write row b's new
+        keys at its positions ``len_b .. len_b + widths[b] - 1``."""
+        segments, positions, fwd = [], [], []
+        q = 0
         for r, w in zip(rows, widths, strict=True):
             self.ensure(r, r.length + w)
-        scratch = self.scratch
-        gather = torch.full((len(rows), kv_len), scratch, dtype=torch.long, device=dev)
-        for b, (r, w) in enumerate(zip(rows, widths, strict=True)):
-            assert r.slots is not None
-            gather[b, : r.length + w] = r.slots[: r.length + w]
-        base = torch.tensor(lens, device=dev)
-        t = torch.arange(t_max, device=dev)
-        pos = base[:, None] + t[None, :]  # [n, T]
-        real = t[None, :] < torch.tensor(list(widths), device=dev)[:, None]  # [n, T]
-        self._write = torch.where(real, gather.gather(1, pos.clamp_max(kv_len - 1)), scratch)
-        self._gather, self._kv_len, self._past = gather, kv_len, max(lens)
-        keys = torch.arange(kv_len, device=dev)
-        mask = keys[None, None, None, :] <= pos[:, None, :, None]  # [n, 1, T, L]
-        return pos, mask
+            positions.append(torch.arange(r.length, r.length + w, device=self.device))
+            segments.append(Segment(q, q + w, r.length, r))
+            fwd.append((r, q, w))
+            q += w
+        self._fwd, self._past = fwd, max(r.length for r in rows)
+        return torch.cat(positions)[None, :], segments
 
     def commit(self, row: KvRow, n: int) -> None:
         """Keep the first n of the positions the last forward wrote for ``row``."""
         row.length += n
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Write [n, Hkv, T, D] at each row's slots; return keys/values [n, Hkv, L, D]."""
-        assert self._write is not None and self._gather is not None, "begin() must come first"
-        if not self.k:  # a forward before any row had pages cannot happen: begin() ensures them
-            raise RuntimeError("the KV pool is empty")
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        w = self._write.flatten()
-        k[w] = key_states.transpose(1, 2).reshape(-1, self.kv_heads, self.head_dim).to(k.dtype)
-        v[w] = value_states.transpose(1, 2).reshape(-1, self.kv_heads, self.head_dim).to(v.dtype)
-        return k[self._gather].transpose(1, 2), v[self._gather].transpose(1, 2)
+        """Write each row's new keys [1, Hkv, T_r, D] (of [1, Hkv, N, D]) after its length.
+        Returns the new keys as given: the ragged attention reads the rows' buffers."""
+        for row, q, w in self._fwd:
+            n = row.length
+            row.k[layer_idx][:, n : n + w] = key_states[0, :, q : q + w]
+            row.v[layer_idx][:, n : n + w] = value_states[0, :, q : q + w]
+        return key_states, value_states
 
     # -- what the model may ask a Cache --------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._past
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self._kv_len, 0
+        return 1, 0
 
     @property
     def is_compileable(self) -> bool:
@@ -277,7 +245,3 @@ class PagedKV(Cache):
 
     def __len__(self) -> int:
         return self.num_layers
-
-
-def _pages(tokens: int) -> int:
-    return -(-tokens // PAGE)

@@ -7,17 +7,18 @@ loop. One step reads as the algorithm::
     propose    each decoding row's proposer: nothing (ar), a drafter block (sync), the block the
                drafter worker prepared while the last step was verified (async), a copy of the
                row's own text, or whichever of these auto's policy says pays
-    verify     ONE target forward over every decoding row's [anchor, d_1..d_K]
+    verify     ONE target forward over every decoding row's [anchor, d_1..d_K], and the next
+               chunks of the prompts being read
     accept     :func:`d3d.verify.accept` per row; the KV keeps the anchor and the accepted drafts
                (rollback = not committing the rest)
     emit       tokens out; the proposers are told what was committed, and the worker gets every
                row's commit in one message, so it drafts step t+1 while the target verifies it
-    prefill    one forward over chunks of prompts still being read, sized by what is left
 
-Prompts are read in chunks (shortest first, so a short request is not queued behind a long
-document), and while rows decode a chunk may cost at most ``prefill_share`` times the step's
-verify forward (:class:`PrefillBudget`): a long prompt costs running rows one bounded chunk
-per step, never a whole prefill. A prompt prefix that requests share (document QA: the
+Prompts are read in chunks inside the same forward as the decoding rows (one flat sequence,
+:mod:`d3d.engine.ragged`: the weights are read once a step), shortest prompt first, so a short
+request is not queued behind a long document; while rows decode, the chunks may make the step
+at most ``1 + share`` times as long as the rows alone (:class:`PrefillBudget`): a long prompt
+costs running rows a bounded share of each step, never a whole prefill. A prompt prefix that requests share (document QA: the
 instruction and the document's head) is read on its own up to its end and kept in the prefix
 cache, or copied from it, so a row computes the same whether or not it hit the cache.
 
@@ -33,12 +34,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from d3d.clock import WALL, Clock
 from d3d.costs import LinearCost
-from d3d.decode import Proposer
+from d3d.decode import Proposal, Proposer
 from d3d.engine.kv import KvLimitError
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.target import BatchTarget
@@ -53,30 +55,32 @@ CHUNK_STEP = 16  # prefill chunks are multiples of this many tokens
 
 
 class PrefillBudget:
-    """Tokens of prompt to read this step (see the module docstring).
+    """Tokens of prompt to read in this step's forward (see the module docstring).
 
-    Chunk forwards are fitted as ``t(c) = a + b c``; while rows decode, the chunk is the largest
-    c with ``t(c) <= share * t_verify`` (at least ``min_chunk``, so every prompt advances); with
+    Every forward is fitted as ``t(n) = a + b n`` over its n new tokens (a: reading the weights,
+    b: a token's compute). While rows decode (d tokens), the prompts get the largest c with
+    ``t(d + c) <= (1 + share) t(d)``, i.e. ``c = share (a + b d) / b``: the decoding rows' step
+    grows by at most ``share`` (at least ``min_chunk`` tokens, so every prompt advances). With
     nothing decoding, ``max_chunk``.
     """
 
-    def __init__(self, share: float = 1.0, min_chunk: int = 32, max_chunk: int = 512):
+    def __init__(self, share: float = 2.0, min_chunk: int = 16, max_chunk: int = 512):
         if share <= 0 or not 0 < min_chunk <= max_chunk:
             raise ValueError("need share > 0 and 0 < min_chunk <= max_chunk")
         self.share, self.min_chunk, self.max_chunk = share, min_chunk, max_chunk
-        self.cost = LinearCost(window=32)
+        self.cost = LinearCost(window=64)
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
 
-    def tokens(self, verify_s: float | None) -> int:
-        if verify_s is None:
+    def tokens(self, decode_tokens: int) -> int:
+        if decode_tokens == 0:
             return self.max_chunk
         fit = self.cost.fit()
         if fit is None:
             return self.min_chunk
         a, b = fit
-        c = int((self.share * verify_s - a) / b) // CHUNK_STEP * CHUNK_STEP
+        c = int(self.share * (a + b * decode_tokens) / b) // CHUNK_STEP * CHUNK_STEP
         return max(self.min_chunk, min(self.max_chunk, c))
 
 
@@ -151,15 +155,13 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
-        """Drop cancelled rows, admit, decode the decoding rows, read a chunk of prompts."""
+        """Drop cancelled rows, admit, then one forward: the decoding rows' rounds and the next
+        chunks of the prompts being read."""
         try:
             self._drop_cancelled()
             self._admit()
-            decoding = [r for r in self.rows if r.decoding]
-            self.last_verify_s = None
-            if decoding:
-                self._decode(decoding)
-            self._prefill([r for r in self.rows if not r.decoding])
+            if self.rows:
+                self._forward()
             self.after_step(self.rows)
             self._sweep()
         except Exception as exc:  # a failed forward fails its batch, never the engine
@@ -196,29 +198,68 @@ class Scheduler:
             self.rows.append(row)
             self._reuse_prefix(row)
 
-    # -- decoding ------------------------------------------------------------------------------
-    def _decode(self, rows: Sequence[Row]) -> None:
+    # -- the step's forward --------------------------------------------------------------------
+    def _forward(self) -> None:
         t0 = self.clock.now()
+        decoding = [r for r in self.rows if r.decoding]
+        proposals = self._propose(decoding)
+        ids = [[r.tokens[-1], *p.tokens.tolist()] for r, p in zip(decoding, proposals, strict=True)]
+        chunks = self._chunks([r for r in self.rows if not r.decoding], sum(map(len, ids)))
+        runs = [r.req.prompt_ids[r.prefilled : r.prefilled + n] for r, n in chunks]
+        done = [r.prefilled + n == len(r.req.prompt_ids) for r, n in chunks]
+        ends = [[n - 1] if d else [] for (_, n), d in zip(chunks, done, strict=True)]
+        keep = [None] * len(ids) + ends
+        rows = [*decoding, *(r for r, _ in chunks)]
+        logits = self.target.forward([r.kv for r in rows], [*ids, *runs], keep)
+        seconds = self.target.last_seconds
+        tokens = sum(map(len, ids)) + sum(n for _, n in chunks)
+        self.prefill_budget.observe(tokens, seconds)
+        self.last_verify_s = seconds if decoding and not chunks else None
+        if decoding:
+            self._accept(decoding, proposals, logits[: len(decoding)], seconds, t0, bool(chunks))
+        for (row, n), d, lg in zip(chunks, done, logits[len(decoding) :], strict=True):
+            self.kv.commit(row.kv, n)
+            row.prefilled += n
+            row.prefill_s += seconds * n / tokens
+            if row.prefilled == self._shared(row):
+                snap = self.kv.snapshot(row.kv)
+                self.prefix_cache.store(row.req.prompt_ids[: row.prefilled], snap)
+            if d:
+                self._first_token(row, lg[-1])
+
+    def _propose(self, rows: Sequence[Row]) -> list[Proposal]:
+        """Every decoding row's proposal; where the forward is wide anyway (a row drafts), rows
+        with nothing to verify may ride along with a copy of their own text."""
         proposals = [r.proposer.propose(r.tokens) for r in rows]
-        width = 1 + max(p.k for p in proposals)
-        rides = [False] * len(rows)
-        if width > 1:  # the forward is wide anyway: rows with nothing to verify may copy
+        width = 1 + max((p.k for p in proposals), default=0)
+        if width > 1:
             for b, (row, p) in enumerate(zip(rows, proposals, strict=True)):
                 ride = getattr(row.proposer, "ride", None)
                 if p.k == 0 and ride is not None and (c := ride(row.tokens, width - 1)):
-                    proposals[b], rides[b] = c, True
-        ids = [[r.tokens[-1], *p.tokens.tolist()] for r, p in zip(rows, proposals, strict=True)]
-        logits = self.target.forward([r.kv for r in rows], ids)  # [n, T, V]
-        seconds = self.last_verify_s = self.target.last_seconds
+                    proposals[b] = replace(c, rode=True)
+        return proposals
+
+    def _accept(
+        self,
+        rows: Sequence[Row],
+        proposals: Sequence[Proposal],
+        logits: Sequence[torch.Tensor],
+        seconds: float,
+        t0: float,
+        shared: bool,
+    ) -> None:
+        """Accept every row's round, then commit, tell its proposer, emit and record it.
+        ``shared``: prompt chunks rode in the forward too, so its time is no row's own."""
         accs = [
-            accept(logits[b, : p.k + 1], p.tokens, p.q, row.req.sampling, row.generator)
-            for b, (row, p) in enumerate(zip(rows, proposals, strict=True))
+            accept(lg, p.tokens, p.q, r.req.sampling, r.generator)
+            for r, p, lg in zip(rows, proposals, logits, strict=True)
         ]
-        step_s = self.clock.now() - t0  # waits for blocks + the batched verify + acceptance
-        for b, (row, p, acc) in enumerate(zip(rows, proposals, accs, strict=True)):
+        step_s = self.clock.now() - t0  # waits for blocks + the forward + acceptance
+        width = 1 + max(p.k for p in proposals)
+        for row, p, acc in zip(rows, proposals, accs, strict=True):
             self.kv.commit(row.kv, acc.num_emitted)
-            # A row that rode in a wider forward than its own round did not pay for it alone.
-            own = p.k + 1 == width and not rides[b]
+            # A round that rode in a wider forward (or beside a prompt) did not pay for it alone.
+            own = p.k + 1 == width and not p.rode and not shared
             row.proposer.observe(acc, seconds if own else None)
             emitted = self._emit(row, acc.tokens)
             row.stats.record(
@@ -251,37 +292,20 @@ class Scheduler:
         n = row.req.shared_prefix
         return n if self.prefix_cache is not None and 0 < n < len(row.req.prompt_ids) else 0
 
-    def _prefill(self, rows: Sequence[Row]) -> None:
-        """One forward over the next chunk of as many prompts as the budget holds."""
-        if not rows:
-            return
-        budget = self.prefill_budget.tokens(self.last_verify_s)
-        group: list[tuple[Row, int]] = []
+    def _chunks(self, rows: Sequence[Row], decode_tokens: int) -> list[tuple[Row, int]]:
+        """The next chunk of each prompt being read, shortest first, up to the step's budget.
+        A chunk stops at the end of a shared prefix (kept in the prefix cache there)."""
+        budget = self.prefill_budget.tokens(decode_tokens)
+        out: list[tuple[Row, int]] = []
         for row in sorted(rows, key=lambda r: r.prompt_left):
+            if budget <= 0:
+                break
             shared = self._shared(row)
             end = shared if row.prefilled < shared else len(row.req.prompt_ids)
-            piece = min(end - row.prefilled, budget)
-            width = max([n for _, n in group] + [piece])
-            if group and width * (len(group) + 1) > budget:
-                break
-            group.append((row, piece))
-        runs = [r.req.prompt_ids[r.prefilled : r.prefilled + n] for r, n in group]
-        done = [r.prefilled + n == len(r.req.prompt_ids) for r, n in group]
-        ends = sorted({n - 1 for (_, n), d in zip(group, done, strict=True) if d})
-        logits = self.target.forward([r.kv for r, _ in group], runs, ends or [0])
-        seconds = self.target.last_seconds
-        total = sum(n for _, n in group)
-        self.prefill_budget.observe(max(n for _, n in group) * len(group), seconds)
-        for b, (row, n) in enumerate(group):
-            self.kv.commit(row.kv, n)
-            row.prefilled += n
-            row.prefill_s += seconds * n / total
-            if row.prefilled == self._shared(row):
-                self.prefix_cache.store(
-                    row.req.prompt_ids[: row.prefilled], self.kv.snapshot(row.kv)
-                )
-            if done[b]:
-                self._first_token(row, logits[b, ends.index(n - 1)])
+            n = min(end - row.prefilled, budget)
+            out.append((row, n))
+            budget -= n
+        return out
 
     def _first_token(self, row: Row, logits: torch.Tensor) -> None:
         """The prompt is read: the first token, reported to the proposer as round 0 (the
@@ -336,7 +360,7 @@ class Scheduler:
         try:
             for i in range(0, need, self.prefill_budget.max_chunk):
                 run = list(ids[i : i + self.prefill_budget.max_chunk])
-                self.target.forward([row], [run], [len(run) - 1])
+                self.target.forward([row], [run], [[]])
                 self.kv.commit(row, len(run))
             cache.store(list(ids), self.kv.snapshot(row))
         finally:

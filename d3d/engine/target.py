@@ -1,25 +1,29 @@
 """One target forward over many rows, each at its own length, timed on the engine's clock.
 
-:class:`BatchTarget` owns the target model and its :class:`~d3d.engine.kv.PagedKV`. A forward
-takes a list of rows and one list of new token ids per row; rows shorter than the longest are
-padded (the padding's keys go to the pool's scratch slot and are never seen). Position ids and
-the 4D mask come from the pool, so every row computes what it would alone, up to floating-point
-summation order.
+:class:`BatchTarget` owns the target model and its :class:`~d3d.engine.kv.RowKV`. A forward
+takes a list of rows and one list of new token ids per row (a decoding row's anchor and drafts,
+a prompt's next chunk) and runs them as one flat sequence (:mod:`d3d.engine.ragged`): the
+weights are read once for the step, no row is padded, and attention stays within each row, so
+every row computes what it would alone, up to floating-point summation order. Logits are
+computed only where asked (``keep``: per row, which of its positions).
 
-Letters: n rows in the forward, T new tokens (the longest row's), V vocab.
+Letters: n rows, N new tokens in all, T_r one row's, V vocab.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from d3d.clock import WALL, Clock
-from d3d.engine.kv import KvRow, PagedKV
+from d3d.engine.kv import KvRow, RowKV
+from d3d.engine.ragged import KWARG
 from d3d.hf import with_cache
-from d3d.masks import to_model_mask
+
+log = logging.getLogger(__name__)
 
 
 class BatchTarget:
@@ -27,9 +31,15 @@ class BatchTarget:
 
     def __init__(self, model: PreTrainedModel, max_kv_tokens: int, clock: Clock = WALL):
         self.model = model
-        self.kv = PagedKV.for_model(model, max_kv_tokens)
-        self.attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        self.kv = RowKV.for_model(model, max_kv_tokens)
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn != "sdpa":  # the ragged forward wraps sdpa (every decoder here supports it)
+            log.warning("the target's attention is %r; the engine runs it with sdpa", attn)
+            model.config._attn_implementation = "sdpa"
         self.dtype = next(model.parameters()).dtype
+        # A 4D mask passes through Hugging Face's mask building untouched; the attention is
+        # ragged_attention's, which never reads it.
+        self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.clock = clock
         self.last_seconds = 0.0
 
@@ -46,29 +56,32 @@ class BatchTarget:
         self,
         rows: Sequence[KvRow],
         ids: Sequence[Sequence[int]],
-        keep: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """Append ``ids[b]`` to ``rows[b]``; logits [n, T, V] (or [n, len(keep), V]).
+        keep: Sequence[Sequence[int] | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Append ``ids[b]`` to ``rows[b]``; row b's logits [T_b, V] (or [len(keep[b]), V]).
 
-        ``keep`` selects which query positions get logits (the same indices for every row);
-        None keeps all. Nothing is committed: call :meth:`PagedKV.commit` per row after.
+        ``keep[b]``: the positions of row b's new tokens that need logits (None: all of them);
+        ``keep`` None: all positions of every row. Nothing is committed: call
+        :meth:`RowKV.commit` per row after.
         """
         t0 = self.clock.now()
-        width = max(len(r) for r in ids)
-        x = torch.tensor(
-            [list(r) + [r[-1]] * (width - len(r)) for r in ids], device=self.device
-        )  # [n, T]
-        pos, mask = self.kv.begin(rows, [len(r) for r in ids])
-        keep_arg: int | torch.Tensor = 0
-        if keep is not None:
-            keep_arg = torch.tensor(list(keep), device=self.device)
+        widths = [len(r) for r in ids]
+        x = torch.tensor([[t for r in ids for t in r]], device=self.device)  # [1, N]
+        pos, segments = self.kv.begin(rows, widths)
+        starts = [seg.q0 for seg in segments]
+        wanted = [
+            list(range(w)) if keep is None or keep[b] is None else list(keep[b])
+            for b, w in enumerate(widths)
+        ]
+        flat = [starts[b] + i for b, w in enumerate(wanted) for i in w]
         out = self.model(
             input_ids=x,
             position_ids=pos,
-            attention_mask=to_model_mask(mask, self.attn, self.dtype),
-            logits_to_keep=keep_arg,
+            attention_mask=self._mask,
+            logits_to_keep=torch.tensor(flat or [0], device=self.device),
             **with_cache(self.model, self.kv),
+            **{KWARG: segments},
         )
-        logits = out.logits
+        logits = out.logits[0, : len(flat)]  # [sum of kept, V]
         self.last_seconds = self.clock.now() - t0
-        return logits
+        return list(logits.split([len(w) for w in wanted]))

@@ -10,7 +10,7 @@ import torch
 from d3d.config import SamplingConfig
 from d3d.drafter import D3DDrafter
 from d3d.engine import GenRequest, Scheduler
-from d3d.engine.kv import PAGE, KvLimitError, PagedKV
+from d3d.engine.kv import GROW, KvLimitError, RowKV
 from tests.conftest import (
     TINY_VOCAB,
     OracleDrafter,
@@ -153,36 +153,38 @@ def test_sampling_rows_run_and_stay_in_vocab():
     assert outs[1].stats.num_drafts > 0
 
 
-def test_paged_kv_rolls_rows_back_independently_and_grows_each_row_alone():
-    kv = PagedKV(
-        num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", max_tokens=8 * PAGE
+def test_row_kv_rolls_rows_back_independently_and_grows_each_row_alone():
+    kv = RowKV(
+        num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", max_tokens=8 * GROW
     )
-    a, b = kv.open(3 * PAGE), kv.open(PAGE)
+    a, b = kv.open(4 * GROW), kv.open(GROW)
     with torch.inference_mode():
-        pos, mask = kv.begin([a, b], [3, 3])
-        kv.update(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2), 0)
+        pos, seg = kv.begin([a, b], [3, 3])
+        assert pos.tolist() == [[0, 1, 2, 0, 1, 2]]
+        kv.update(torch.ones(1, 1, 6, 2), torch.ones(1, 1, 6, 2), 0)
         kv.commit(a, 3)
         kv.commit(b, 1)  # row b keeps one of three written positions (rollback)
         assert (a.length, b.length) == (3, 1)
-        pos, mask = kv.begin([a, b], [2, 2])
-        assert pos.tolist() == [[3, 4], [1, 2]]
-        # row b's second query sees keys 0..2 only: its stale positions past length are hidden
-        assert mask[1, 0, 1].tolist() == [True, True, True, False, False]
-        k, _ = kv.update(torch.full((2, 1, 2, 2), 2.0), torch.zeros(2, 1, 2, 2), 0)
-        assert k.shape == (2, 1, 5, 2)
-        assert k[1, 0, :3, 0].tolist() == [1.0, 2.0, 2.0]
+        pos, seg = kv.begin([a, b], [2, 2])
+        assert pos.tolist() == [[3, 4, 1, 2]]
+        assert [(s.q0, s.q1, s.past) for s in seg] == [(0, 2, 3), (2, 4, 1)]
+        kv.update(torch.full((1, 1, 4, 2), 2.0), torch.zeros(1, 1, 4, 2), 0)
+        # row b attends to its own keys only: its 1 kept + 2 new, not its stale ones
+        k, _ = seg[1].row.keys(0, 3)
+        assert k[0, 0, :, 0].tolist() == [1.0, 2.0, 2.0]
         kv.commit(b, 2)
-        # a long row takes pages of its own; the short row keeps its one page
-        kv.begin([a], [2 * PAGE])
-        kv.update(torch.ones(1, 1, 2 * PAGE, 2), torch.ones(1, 1, 2 * PAGE, 2), 0)
-        kv.commit(a, 2 * PAGE)
-        assert len(a.pages) == 3 and len(b.pages) == 1
+        # a long row grows its own buffers; the short row keeps its small capacity
+        kv.begin([a], [2 * GROW])
+        kv.update(torch.ones(1, 1, 2 * GROW, 2), torch.ones(1, 1, 2 * GROW, 2), 0)
+        kv.commit(a, 2 * GROW)
+        assert a.capacity >= 2 * GROW + 3 and b.capacity == GROW
         assert kv.snapshot(b).layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 2.0]
-    assert not kv.fits(5 * PAGE)  # 4 of 8 pages are reserved
-    with pytest.raises(KvLimitError, match=f"KV limit is {8 * PAGE} tokens"):
-        kv.check(9 * PAGE)
+    assert kv.allocated_bytes == (a.capacity + b.capacity) * kv.bytes_per_token
+    assert not kv.fits(4 * GROW)  # 5 of 8 are reserved
+    with pytest.raises(KvLimitError, match=f"KV limit is {8 * GROW} tokens"):
+        kv.check(9 * GROW)
     kv.close(a)
-    assert kv.fits(7 * PAGE)
+    assert kv.fits(7 * GROW)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -267,7 +269,7 @@ def test_sampled_auto_rows_with_copies_run_and_stay_in_vocab():
     engine = make(model, block_size=6, max_batch=4)
     engine.eos_ids = set()
     outs = [Collector() for _ in range(2)]
-    for i, c in enumerate(outs):
+    for c in outs:
         s = SamplingConfig(temperature=0.7)  # unseeded: a seeded auto row decodes plainly
         engine.add(c.request([3, 4, 5, 6, 7, 8] * 5, 16, "auto", s))
     while not engine.idle:

@@ -1,0 +1,90 @@
+"""Ragged attention: many rows, each with its own new tokens and its own keys, in ONE forward.
+
+The engine flattens a step's rows into one sequence ``[1, N]`` (a decoding row's anchor and
+drafts, a prompt's next chunk, one after another; N = the sum of the rows' new tokens): every
+linear map of the model then reads its weights once for the whole step, and a chunk of prompt
+costs the running rows its own compute only, never a second pass over the weights, and no row
+is padded to another's width. Only attention must stay within a row: :func:`ragged_attention`
+runs it row by row (query ``[1, Hq, T_r, D]`` against that row's keys ``[1, Hkv, L_r, D]``,
+causal from the row's cached length, its keys read in place from the row's own buffers in
+:class:`~d3d.engine.kv.RowKV`), and the rows reach it as ``segments`` through the model's
+keyword arguments, which Hugging Face passes down to the attention function.
+
+It is installed as a wrapper around the ``sdpa`` attention entry (the engine runs its target
+with sdpa): a forward without ``d3d_segments`` (any other caller of the same model, in any
+thread) runs exactly the original function.
+
+Letters: N new tokens of the step, Hq / Hkv query / KV heads, D head dim, T_r / L_r one row's
+new tokens / keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+KWARG = "d3d_segments"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One row of a ragged forward: its queries ``[q0, q1)`` of the N new tokens, its cached
+    length ``past``, and the row whose buffers hold its keys (anything with
+    ``keys(layer, n) -> (k, v)``, [1, Hkv, n, D] each)."""
+
+    q0: int
+    q1: int
+    past: int
+    row: Any
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: list[Segment],
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """query [1, Hq, N, D] (key, value: the step's new keys, already in the rows' buffers)
+    -> attention output [1, N, Hq, D]."""
+    out = []
+    layer = module.layer_idx
+    gqa = query.shape[1] != key.shape[1]
+    for s in segments:
+        q = query[:, :, s.q0 : s.q1]
+        t = s.q1 - s.q0
+        k, v = s.row.keys(layer, s.past + t)
+        mask = None
+        if t > 1:  # query i sees keys 0 .. past + i
+            keys = torch.arange(s.past + t, device=q.device)
+            mask = keys[None, :] <= (s.past + torch.arange(t, device=q.device))[:, None]
+        out.append(F.scaled_dot_product_attention(q, k, v, mask, scale=scaling, enable_gqa=gqa))
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+
+def _wrap(original: Callable) -> Callable:
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        segments = kwargs.get(KWARG)
+        if segments is None:
+            return original(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return ragged_attention(module, query, key, value, segments, scaling), None
+
+    attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return attention
+
+
+def install() -> None:
+    """Wrap the ``sdpa`` attention entry (once; idempotent)."""
+    current = AttentionInterface._global_mapping.get("sdpa", sdpa_attention_forward)
+    if not hasattr(current, "__wrapped__"):
+        AttentionInterface.register("sdpa", _wrap(current))
+
+
+install()
