@@ -46,7 +46,7 @@ class KvLimitError(ValueError):
         self.need, self.limit = need, limit
 
 
-@dataclass
+@dataclass(eq=False)  # rows are told apart by identity, never by their tensors
 class KvRow:
     """One row's key and value buffers per layer ``[Hkv, C, D]``, its committed length, and the
     tokens it reserved at admission."""

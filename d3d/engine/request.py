@@ -63,7 +63,7 @@ class GenRequest:
         return self._cancel.is_set()
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
     """A running request: its KV pages, its proposer, and where its prompt reading stands.
 

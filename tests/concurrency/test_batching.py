@@ -185,6 +185,12 @@ def test_row_kv_rolls_rows_back_independently_and_grows_each_row_alone():
         kv.check(9 * GROW)
     kv.close(a)
     assert kv.fits(7 * GROW)
+    # rows alike in every field are still told apart (identical requests in one batch)
+    c, d = kv.open(GROW), kv.open(GROW)
+    with torch.inference_mode():
+        kv.begin([c, d], [2, 2])
+    kv.close(d)
+    assert kv.rows == [b, c] and c.capacity == GROW
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
