@@ -78,7 +78,15 @@ async def qa(client: httpx.AsyncClient, url: str, document: str) -> dict:
     t0 = time.perf_counter()
     r = await client.post(url + "/qa", json=body, timeout=600)
     r.raise_for_status()
-    return {"seconds": time.perf_counter() - t0, "answer": r.json()["answer"]}
+    out = r.json()
+    spec = out.get("speculative", {})
+    return {
+        "seconds": time.perf_counter() - t0,
+        "answer": out["answer"],
+        "timings": out.get("timings", {}),
+        "spec_tokens": spec.get("spec_tokens"),
+        "copy_drafts": spec.get("copy_drafts"),
+    }
 
 
 async def four_at_once(url: str, mode: str, tokens: int) -> dict:
@@ -148,6 +156,8 @@ def scenario_documents(url: str, repeats: int, tokens: int) -> dict:
         "short_behind_s": behind,
         "short_slowdown": [b / alone_s for b in behind],
         "six_answers_s": [r["six_s"] for r in runs],
+        "qa": [[{k: v for k, v in q.items() if k != "answer"} for q in r["qa"]] for r in runs],
+        "short_speculative": [r["short"]["speculative"] for r in runs],
     }
 
 
