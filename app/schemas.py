@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app import documents
 from d3d import config as d3d_config
-from d3d.models import check_template_vars
+from d3d.model.load import check_template_vars
 
 STRICT = ConfigDict(extra="forbid")
 

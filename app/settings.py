@@ -61,7 +61,7 @@ class ServeSettings:
     served_model_name: str | None = None
     doc_cache_dir: str | None = None  # the document cache's disk tier (None: memory only)
     warmup: bool = True
-    copy: bool = True  # auto rows may verify copies of their own text (d3d.lookup)
+    copy: bool = True  # auto rows may verify copies of their own text (d3d.decoding.lookup)
     prefill_share: float = 2.0  # prompt chunks may make a decoding step this much longer
 
     def __post_init__(self) -> None:

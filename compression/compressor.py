@@ -37,8 +37,8 @@ from compression.selection import (
     segment,
     select,
 )
-from d3d.drafter import D3DDrafter
-from d3d.models import DEFAULT_SPECS
+from d3d.model.drafter import D3DDrafter
+from d3d.model.load import DEFAULT_SPECS
 
 SCORERS = ("hybrid", "drafter-attention", "bm25", "head-tail", "random", "drafter-ppl")
 DRAFTER_SCORERS = ("hybrid", "drafter-attention", "drafter-ppl")

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from d3d.kv_store import BoundedLru, cache_bytes, content_key
+from d3d.engine.kv_store import BoundedLru, cache_bytes, content_key
 
 __all__ = ["DocumentCache", "DocumentReading", "WindowCache", "cache_bytes", "content_key"]
 

@@ -55,10 +55,10 @@ from compression.reading import (
     windows,
 )
 from compression.selection import Chunk, smooth
-from d3d import masks
 from d3d.config import DEFAULT_BLOCK_SIZE
-from d3d.drafter import D3DDrafter
-from d3d.hf import trim_cache
+from d3d.model import masks
+from d3d.model.drafter import D3DDrafter
+from d3d.model.hf import trim_cache
 
 REDUCTIONS = ("max", "mean")
 

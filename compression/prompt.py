@@ -7,7 +7,7 @@ so keep ratio 1.0 reproduces it exactly and every compressed prompt differs only
 tokens it drops.
 
 The parts are tokenised separately. A template with a ``{context}`` field is rendered (through the
-chat template when asked, non-thinking unless told: :func:`d3d.models.apply_chat`) with a marker
+chat template when asked, non-thinking unless told: :func:`d3d.model.load.apply_chat`) with a marker
 in place of the document, split at the marker, and each piece tokenised on its own; token
 boundaries at the two seams can differ from tokenising the whole string, identically at every
 keep ratio.
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from d3d.models import apply_chat, has_chat_template
+from d3d.model.load import apply_chat, has_chat_template
 
 CONTEXT_MARKER = "\u0000D3D_CONTEXT\u0000"
 
@@ -70,7 +70,7 @@ def render(
     **fields: str,
 ) -> str:
     """Fill ``template`` (``str.format`` fields) and wrap it as one user turn when asked, through
-    :func:`d3d.models.apply_chat` (non-thinking unless ``template_vars`` say otherwise)."""
+    :func:`d3d.model.load.apply_chat` (non-thinking unless ``template_vars`` say otherwise)."""
     text = template.format(**fields)
     if chat_template and has_chat_template(tokenizer):
         msgs = [{"role": "user", "content": text}]

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from d3d.config import DEFAULT_BLOCK_SIZE
-from d3d.drafter import D3DDrafter
+from d3d.model.drafter import D3DDrafter
 
 
 def quantize_layers(model: D3DDrafter) -> None:

@@ -18,8 +18,8 @@ import time
 from importlib.metadata import entry_points
 
 from d3d.config import MODES, ConfigError, DecodeConfig, ModelConfig, SamplingConfig
-from d3d.drafter import DrafterError
-from d3d.models import ModelLoadError
+from d3d.model.drafter import DrafterError
+from d3d.model.load import ModelLoadError
 
 COMMAND_GROUP = "d3d.commands"
 
@@ -98,7 +98,7 @@ def _costs_dir(args: argparse.Namespace) -> str | None:
     """Where a one-shot command keeps auto's costs (None: it does not, or the environment says)."""
     if not getattr(args, "remember_costs", False) or getattr(args, "fresh_costs", False):
         return None
-    from d3d.models import cache_dir
+    from d3d.model.load import cache_dir
 
     return os.environ.get("D3D_COSTS_DIR") or str(cache_dir() / "costs")
 
@@ -169,7 +169,7 @@ def _generate(engine, args: argparse.Namespace, dcfg: DecodeConfig, load_s: floa
         out["load_seconds"] = round(load_s, 3)
         print(json.dumps(out))
         return 0
-    from d3d.stats import DecodeStats
+    from d3d.decoding.stats import DecodeStats
 
     stats = DecodeStats(mode=dcfg.mode)
     ids: list[int] = []

@@ -137,7 +137,7 @@ class ModelConfig:
     drafter_device: str | None = None
     dtype: str = "auto"
     threads: int | None = None
-    pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.packing)
+    pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.model.packing)
     costs_dir: str | None = None  # keep auto's measured costs here between processes
     max_kv_tokens: int | None = None  # the target's KV budget (None: from free device memory)
     prefix_cache: str = "auto"  # the target's prefix-cache budget (CacheBudget.parse)
@@ -172,7 +172,7 @@ class ModelConfig:
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
         ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps),
-        ``D3D_COSTS_DIR`` (:mod:`d3d.cost_memory`), ``D3D_MAX_KV_TOKENS`` and
+        ``D3D_COSTS_DIR`` (:mod:`d3d.engine.cost_memory`), ``D3D_MAX_KV_TOKENS`` and
         ``D3D_PREFIX_CACHE`` (:class:`CacheBudget`); explicit keyword overrides win when not
         None."""
         env = os.environ

@@ -30,7 +30,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from d3d.drafter import Draft
+from d3d.model.drafter import Draft
 
 TINY_VOCAB = 101
 
@@ -144,7 +144,7 @@ def tiny_engine(model: PreTrainedModel, drafter=None, block_size: int | None = N
     """The library's :class:`~d3d.engine.Engine` over a tiny model and a made-up tokenizer
     (``block_size``: the copy rounds' block when there is no drafter)."""
     from d3d.engine import Engine
-    from d3d.models import LoadedModel
+    from d3d.model.load import LoadedModel
 
     engine = Engine(LoadedModel(model, tiny_tokenizer(model.config.vocab_size), "tiny"), drafter)
     if block_size is not None:

@@ -5,9 +5,9 @@ resolves model specs (see :class:`d3d.config.ModelConfig`), checks at load that 
 the target (same vocabulary, device present), and turns a prompt into a :class:`Generation`.
 
 It also owns what outlives a request: the drafter worker of the asynchronous pipeline (started
-once, on first use or at load, where :mod:`d3d.placement` says: its own process and core on a
+once, on first use or at load, where :mod:`d3d.engine.placement` says: its own process and core on a
 CPU host, a thread on the drafter's GPU; restarted if it dies), and the host's measured costs
-that ``auto`` decides from (:class:`d3d.policy.HostCosts`). Modes: ``ar`` (the target alone),
+that ``auto`` decides from (:class:`d3d.decoding.policy.HostCosts`). Modes: ``ar`` (the target alone),
 ``sync`` (draft, then verify), ``async`` (blocks prepared during verification), ``auto``
 (speculation only where it pays; async when a worker runs, else sync).
 
@@ -29,27 +29,27 @@ from pathlib import Path
 
 import torch
 
-from d3d.calibration import seed
-from d3d.clock import Clock
 from d3d.config import DEFAULT_BLOCK_SIZE, CacheBudget, DecodeConfig, ModelConfig
-from d3d.cost_memory import costs_path, load_costs, save_costs
-from d3d.decode import ArProposer, Proposer, SyncProposer
-from d3d.drafter import D3DDrafter, DrafterError
-from d3d.drafter_specs import borrowed_layers, resolve_spec, self_layers
+from d3d.decoding.clock import Clock
+from d3d.decoding.lookup import CopyDrafts
+from d3d.decoding.policy import AutoProposer, HostCosts
+from d3d.decoding.proposers import ArProposer, Proposer, SyncProposer
+from d3d.decoding.stats import DecodeStats
+from d3d.engine.calibration import seed
+from d3d.engine.cost_memory import costs_path, load_costs, save_costs
 from d3d.engine.kv import default_kv_tokens
+from d3d.engine.kv_store import PrefixCache
+from d3d.engine.placement import Placement, PlacementError, parse_cores, resolve_placement
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import stream
-from d3d.kv_store import PrefixCache
-from d3d.lookup import CopyDrafts
-from d3d.memory import prefix_cache_bytes
-from d3d.models import LoadedModel, ModelLoadError, encode_prompt, load_target, load_target_part
-from d3d.packing import pack_linears
-from d3d.pipeline import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
-from d3d.pipeline.proposer import BatchedLink
-from d3d.placement import Placement, PlacementError, parse_cores, resolve_placement
-from d3d.policy import AutoProposer, HostCosts
-from d3d.stats import DecodeStats
+from d3d.model.drafter import D3DDrafter, DrafterError
+from d3d.model.load import LoadedModel, ModelLoadError, encode_prompt, load_target, load_target_part
+from d3d.model.memory import prefix_cache_bytes
+from d3d.model.packing import pack_linears
+from d3d.model.specs import borrowed_layers, resolve_spec, self_layers
+from d3d.worker import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
+from d3d.worker.proposer import BatchedLink
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def check_device(device: str) -> None:
 def build_drafter(
     spec: str, target: LoadedModel, device: str | None = None, share_layers: bool = False
 ) -> D3DDrafter:
-    """Resolve a drafter spec against a loaded target (see :mod:`d3d.drafter_specs`).
+    """Resolve a drafter spec against a loaded target (see :mod:`d3d.model.specs`).
     ``share_layers``: a ``self:`` drafter runs on the target's own layer tensors (inference:
     no second copy) instead of copies that training may update."""
     depth = int(target.model.config.num_hidden_layers)
@@ -130,8 +130,8 @@ class DrafterFactory:
 
 
 def placement_for(cfg: ModelConfig) -> Placement:
-    """Where this config's drafter worker goes on this host (see :mod:`d3d.placement`)."""
-    from d3d.pipeline.workers import available_cores
+    """Where this config's drafter worker goes on this host (see :mod:`d3d.engine.placement`)."""
+    from d3d.worker.workers import available_cores
 
     return resolve_placement(cfg.target_device, cfg.drafter_device, available_cores())
 
@@ -244,14 +244,14 @@ class Engine:
 
     def remember_costs(self, path: Path) -> None:
         """Start from the decoding costs stored at ``path`` (if any) and store this engine's
-        there when the process ends (:mod:`d3d.cost_memory`)."""
+        there when the process ends (:mod:`d3d.engine.cost_memory`)."""
         self.host = load_costs(path) or self.host
         atexit.register(save_costs, self.host, path)
 
     def calibrate(self) -> dict | None:
         """On a fresh host, time a plain step, a verify and a drafter block and take the
         drafter's shipped acceptance, so ``auto`` decides from the first token
-        (:mod:`d3d.calibration`); None when the host already has figures. Waits for the drafter
+        (:mod:`d3d.engine.calibration`); None when the host already has figures. Waits for the drafter
         worker first: its loading would share the cores with the timing."""
         if self.host.step_s.value is not None:
             return None
@@ -339,7 +339,7 @@ class Engine:
     # ----- decoding ---------------------------------------------------------------------
     def proposer(self, mode: str, budget: int | None = None, copy: bool = True) -> Proposer:
         """The proposer of ``mode`` for one request (``budget``: its max new tokens; ``copy``:
-        auto may verify copies of the request's own text, :mod:`d3d.lookup`). ``auto``
+        auto may verify copies of the request's own text, :mod:`d3d.decoding.lookup`). ``auto``
         without a drafter takes plain steps and copy rounds."""
         if mode == "ar":
             return ArProposer()

@@ -2,7 +2,7 @@
 
 A :class:`GenRequest` carries token ids in and two callbacks out: ``on_tokens`` with every chunk
 of committed tokens (called on the engine's thread, between steps) and ``on_finish`` once, with
-the request's :class:`~d3d.stats.DecodeStats` and the error that ended it, if any. ``cancel()``
+the request's :class:`~d3d.decoding.stats.DecodeStats` and the error that ended it, if any. ``cancel()``
 may be called from any thread; the scheduler drops the row before its next step.
 """
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.config import SamplingConfig
-from d3d.decode import Proposal, Proposer
+from d3d.decoding.proposers import Proposal, Proposer
+from d3d.decoding.stats import DecodeStats
 from d3d.engine.kv import KvRow
-from d3d.stats import DecodeStats
 
 _ids = itertools.count()
 

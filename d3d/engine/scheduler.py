@@ -9,7 +9,7 @@ loop. One step reads as the algorithm::
                row's own text, or whichever of these auto's policy says pays
     verify     ONE target forward over every decoding row's [anchor, d_1..d_K], and the next
                chunks of the prompts being read
-    accept     :func:`d3d.verify.accept` per row; the KV keeps the anchor and the accepted drafts
+    accept     :func:`d3d.decoding.verify.accept` per row; the KV keeps the anchor and the accepted drafts
                (rollback = not committing the rest)
     emit       tokens out; the proposers are told what was committed, and the worker gets every
                row's commit in one message, so it drafts step t+1 while the target verifies it
@@ -38,16 +38,16 @@ from dataclasses import replace
 
 import torch
 
-from d3d.clock import WALL, Clock
-from d3d.costs import LinearCost
-from d3d.decode import Proposal, Proposer
+from d3d.decoding.clock import WALL, Clock
+from d3d.decoding.costs import LinearCost
+from d3d.decoding.proposers import Proposal, Proposer
+from d3d.decoding.sampling import make_generator, pick
+from d3d.decoding.stats import DecodeStats, Round
+from d3d.decoding.verify import Acceptance, accept
 from d3d.engine.kv import KvLimitError
+from d3d.engine.kv_store import PrefixCache
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.target import BatchTarget
-from d3d.kv_store import PrefixCache
-from d3d.sampling import make_generator, pick
-from d3d.stats import DecodeStats, Round
-from d3d.verify import Acceptance, accept
 
 log = logging.getLogger(__name__)
 

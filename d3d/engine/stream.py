@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from d3d.config import DecodeConfig
-from d3d.decode import Proposer
+from d3d.decoding.proposers import Proposer
+from d3d.decoding.stats import DecodeStats
+from d3d.engine.kv_store import PrefixCache
 from d3d.engine.request import GenRequest
 from d3d.engine.scheduler import Scheduler
-from d3d.kv_store import PrefixCache
-from d3d.stats import DecodeStats
 
 
 def stream(scheduler: Scheduler, req: GenRequest) -> Iterator[list[int]]:

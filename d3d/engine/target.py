@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from d3d.clock import WALL, Clock
+from d3d.decoding.clock import WALL, Clock
 from d3d.engine.kv import KvRow, RowKV
 from d3d.engine.ragged import KWARG
-from d3d.hf import with_cache
+from d3d.model.hf import with_cache
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ DEFAULT_INIT = "self:8"
 def _load(args: argparse.Namespace, drafter_spec: str | None):
     """The target (and a drafter when ``drafter_spec``) on the configured device and threads."""
     from d3d.engine import check_device
-    from d3d.models import load_target
+    from d3d.model.load import load_target
     from d3d.training.train import init_drafter
 
     mcfg = model_config(args)

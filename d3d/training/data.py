@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from d3d.models import LoadedModel, encode_prompt
+from d3d.model.load import LoadedModel, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ def validation_split(records: Sequence[dict], n: int) -> tuple[list[dict], list[
 def draft_vocabulary(records: Sequence[dict], size: int, always: Sequence[int] = ()) -> list[int]:
     """The ``size`` target tokens most frequent in the records' responses (ties by id), plus
     ``always`` (e.g. end-of-sequence ids); sorted. A drafter restricted to them only proposes
-    what the target actually says (see :meth:`d3d.drafter.D3DDrafter.set_draft_vocab`)."""
+    what the target actually says (see :meth:`d3d.model.drafter.D3DDrafter.set_draft_vocab`)."""
     if size < 1:
         raise ValueError(f"draft vocabulary size must be >= 1, got {size}")
     counts: dict[int, int] = {}

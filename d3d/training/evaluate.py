@@ -17,8 +17,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from d3d.config import DecodeConfig
-from d3d.drafter_specs import DEFAULT_DRAFTER_DIR
 from d3d.engine import Engine
+from d3d.model.specs import DEFAULT_DRAFTER_DIR
 
 log = logging.getLogger(__name__)
 

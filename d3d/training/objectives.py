@@ -5,13 +5,13 @@ Design (DESIGN.md §2):
 - *Masked-block prediction.* Sample anchors s in the response; each block ``[x_s, MASK x (B-1)]``
   sits at positions s..s+B-1, sees the clean tokens before s and its own block, and slot j is
   trained to predict x_{s+j+1} — the same convention the drafter uses at inference, so the
-  packed forward gives exactly the logits :class:`d3d.drafter.DraftSession` would. Slot j is
+  packed forward gives exactly the logits :class:`d3d.model.drafter.DraftSession` would. Slot j is
   draft position k = j+1 and weighs w_k = exp(-(k-1)/gamma) (earlier positions matter more,
   since verification stops at the first miss); ``gamma=None`` weighs all positions equally.
 - *Next-token prediction* on the clean stream (the response tokens), weight ``ntp_weight``,
   keeps the drafter a good causal LM, which is what fills its prefix cache.
 - Both share one forward: clean tokens first (causal), then all blocks, with the mask from
-  :func:`d3d.masks.packed_block_mask`. The LM head runs only on the rows that carry a loss,
+  :func:`d3d.model.masks.packed_block_mask`. The LM head runs only on the rows that carry a loss,
   since over a 49k vocabulary it costs as much as a few layers.
 - *Adapter drafters* (frozen target layers, adapters at mask slots) take a cheaper path,
   :func:`cached_prefix_forward`: their clean rows and anchors compute the frozen target, so the
@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from d3d import masks
-from d3d.drafter import IGNORE_LABEL, D3DDrafter
+from d3d.model import masks
+from d3d.model.drafter import IGNORE_LABEL, D3DDrafter
 
 IGNORE = IGNORE_LABEL
 

@@ -3,7 +3,7 @@
 Design: each depth L has a training run (``d3d train --drafter lora:L``, the same short budget
 for all) and an offline held-out acceptance JSON (``d3d accept``). This module adds what the runs
 do not measure — one target decode step, one 16-token target verify forward and one drafter
-block forward at that depth, timed side by side in one process (:func:`d3d.bench.run_micro`,
+block forward at that depth, timed side by side in one process (:func:`d3d.tools.bench.run_micro`,
 medians over interleaved repeats) — and writes a table, a JSON file and a plot.
 
 The modelled speed-ups assume a greedy target and per-round costs that do not depend on the
@@ -100,10 +100,10 @@ def plot(rows: list[DepthRow], png: str | Path) -> Path:
 def time_depths(depths: list[int], context: int, repeats: int) -> dict[int, dict]:
     """Step, verify and block medians (ms) per depth; an untrained adapter drafter costs what a
     trained one does, so this needs no training run."""
-    from d3d.adapters import AdapterConfig
-    from d3d.bench import run_micro
-    from d3d.drafter import D3DDrafter
-    from d3d.models import load_target
+    from d3d.model.adapters import AdapterConfig
+    from d3d.model.drafter import D3DDrafter
+    from d3d.model.load import load_target
+    from d3d.tools.bench import run_micro
 
     target = load_target("default")
     out = {}

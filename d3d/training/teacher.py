@@ -81,7 +81,7 @@ def write_text_records(
     Ids already in the file are skipped (resume); prompts over ``max_prompt_tokens`` are
     dropped, replies cut at ``max_reply_tokens``.
     """
-    from d3d.models import encode_prompt
+    from d3d.model.load import encode_prompt
     from d3d.training.data import is_heldout, read_jsonl
 
     out = Path(out_path)

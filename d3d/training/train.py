@@ -40,8 +40,8 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from d3d.adapters import AdapterConfig
-from d3d.drafter import WEIGHTS_FILE, D3DDrafter, DrafterMeta
+from d3d.model.adapters import AdapterConfig
+from d3d.model.drafter import WEIGHTS_FILE, D3DDrafter, DrafterMeta
 from d3d.training.accept import offline_acceptance
 from d3d.training.objectives import LossConfig, LossParts, drafter_loss, pack
 

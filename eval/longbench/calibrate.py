@@ -105,7 +105,7 @@ def _heads(text: str | None) -> tuple[tuple[int, int], ...] | None:
 
 def main(argv: list[str] | None = None) -> int:
     from d3d.engine import build_drafter
-    from d3d.models import load_target
+    from d3d.model.load import load_target
 
     p = argparse.ArgumentParser(prog="python -m eval.longbench.calibrate", description=__doc__)
     p.add_argument("what", choices=["heads", "recall"])

@@ -3,7 +3,7 @@
 Once drafting is hidden beside verification, a deeper drafter costs nothing until its forward
 no longer fits inside the verify forward; but on a CPU a forward costs about its token count,
 so every layer added also shrinks how many branches fit (the budget of
-:mod:`d3d.pipeline.budget`), and fewer branches mean fewer hits. For each drafter spec this
+:mod:`d3d.worker.budget`), and fewer branches mean fewer hits. For each drafter spec this
 measures, in one process with interleaved repeats: the block forward over the verify forward,
 the branch forwards for 1, 2, 4 branches and how many fit in 85% of a verify; then decodes the
 same prompts with ``ar`` and ``async`` (drafter in its own process) for acceptance length, hit
@@ -23,8 +23,8 @@ from transformers import DynamicCache
 
 from d3d.cli import add_model_args, model_config
 from d3d.config import DecodeConfig
-from d3d.hf import trim_cache, with_cache
-from d3d.pipeline.drafting import draft_branches
+from d3d.model.hf import trim_cache, with_cache
+from d3d.worker.drafting import draft_branches
 
 SAFETY = 0.85
 

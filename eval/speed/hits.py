@@ -20,10 +20,10 @@ import torch
 
 from d3d.cli import add_model_args, model_config
 from d3d.config import DecodeConfig
+from d3d.decoding.stats import DecodeStats
 from d3d.engine import Engine, decode
-from d3d.pipeline import AsyncProposer, ServerConfig, ThreadWorker
-from d3d.pipeline.protocol import Commit
-from d3d.stats import DecodeStats
+from d3d.worker import AsyncProposer, ServerConfig, ThreadWorker
+from d3d.worker.protocol import Commit
 
 
 def _decode_all(engine: Engine, worker, prompts: list[str], max_new: int) -> tuple[int, int]:

@@ -24,9 +24,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from d3d.config import DecodeConfig, ModelConfig
 from d3d.engine import Engine
-from d3d.pipeline import pin_process
-from d3d.pipeline.workers import available_cores
-from d3d.placement import resolve_placement
+from d3d.engine.placement import resolve_placement
+from d3d.worker import pin_process
+from d3d.worker.workers import available_cores
 
 
 @dataclass(frozen=True)

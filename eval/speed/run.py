@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from d3d.engine import Engine
-from d3d.models import encode_messages
+from d3d.model.load import encode_messages
 from eval.speed.methods import METHODS, run_method
 from eval.speed.prompts import load_items
 

@@ -20,7 +20,7 @@ from app.main import create_app
 from app.settings import ServeSettings
 from d3d.config import ModelConfig
 from d3d.engine import Engine
-from d3d.models import LoadedModel
+from d3d.model.load import LoadedModel
 from tests.conftest import tiny_model, tiny_tokenizer
 
 

@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from d3d.engine import Engine, build_drafter
-from d3d.models import encode_messages, load_target
+from d3d.model.load import encode_messages, load_target
 from tests.api.conftest import free_port, start
 from tests.conftest import ANSWER_TEXT, REASONING_TEXT
 

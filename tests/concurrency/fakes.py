@@ -13,7 +13,7 @@ import itertools
 from collections import deque
 
 from d3d.config import SamplingConfig
-from d3d.pipeline.protocol import Block, Close, Commit, Commits, Failed, Open
+from d3d.worker.protocol import Block, Close, Commit, Commits, Failed, Open
 
 
 class FakeClock:
@@ -28,7 +28,7 @@ class FakeClock:
 
 
 class ScriptedWorker:
-    """A :class:`d3d.pipeline.WorkerLink` whose behaviour per block comes from ``script``
+    """A :class:`d3d.worker.WorkerLink` whose behaviour per block comes from ``script``
     (one step's :class:`Commits` are taken one commit after another):
     "hit", "miss", "stale" (a stale block, then the right one, a hit), "fail" (a Failed
     reply), "hang" (nothing, ever again) or "die" (the link goes dead). The script repeats its

@@ -13,13 +13,13 @@ import logging
 import pytest
 
 from d3d.config import DecodeConfig
-from d3d.decode import ArProposer
-from d3d.drafter import D3DDrafter
+from d3d.decoding.proposers import ArProposer
+from d3d.decoding.stats import DecodeStats
+from d3d.decoding.verify import Acceptance
 from d3d.engine import decode
-from d3d.pipeline import AsyncProposer, ServerConfig, ThreadWorker
-from d3d.pipeline.workers import wait_until
-from d3d.stats import DecodeStats
-from d3d.verify import Acceptance
+from d3d.model.drafter import D3DDrafter
+from d3d.worker import AsyncProposer, ServerConfig, ThreadWorker
+from d3d.worker.workers import wait_until
 from tests.concurrency.fakes import FakeClock, ScriptedWorker
 from tests.conftest import TINY_VOCAB, OracleDrafter, tiny_model
 

@@ -16,10 +16,10 @@ import logging
 
 import pytest
 
-from d3d.decode import ArProposer, SyncProposer
+from d3d.decoding.proposers import ArProposer, SyncProposer
 from d3d.engine import GenRequest, Scheduler
-from d3d.pipeline import AsyncProposer
-from d3d.pipeline.proposer import BatchedLink
+from d3d.worker import AsyncProposer
+from d3d.worker.proposer import BatchedLink
 from tests.concurrency.fakes import FakeClock, ScriptedWorker
 from tests.conftest import TINY_VOCAB, OracleDrafter, greedy_continuation, tiny_model
 

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from d3d.adapters import AdapterConfig, hide_gated_keys
-from d3d.drafter import WEIGHTS_FILE, D3DDrafter, DrafterError
+from d3d.model.adapters import AdapterConfig, hide_gated_keys
+from d3d.model.drafter import WEIGHTS_FILE, D3DDrafter, DrafterError
 from d3d.training.objectives import (
     LossConfig,
     cached_prefix_forward,

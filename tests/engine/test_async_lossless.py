@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from d3d.config import DecodeConfig, ModelConfig, SamplingConfig
-from d3d.decode import ArProposer
-from d3d.drafter import D3DDrafter
+from d3d.decoding.policy import AutoProposer, HostCosts
+from d3d.decoding.proposers import ArProposer
+from d3d.decoding.stats import DecodeStats
 from d3d.engine import decode
-from d3d.pipeline import AsyncProposer, ServerConfig, ThreadWorker
-from d3d.policy import AutoProposer, HostCosts
-from d3d.stats import DecodeStats
+from d3d.model.drafter import D3DDrafter
+from d3d.worker import AsyncProposer, ServerConfig, ThreadWorker
 from tests.concurrency.fakes import ScriptedWorker
 from tests.conftest import (
     TINY_VOCAB,
@@ -126,7 +126,7 @@ def test_async_sampling_matches_target_distribution(sampling_kw, worker_for):
 def test_drafter_in_its_own_process(tmp_path):
     """A saved tiny model, its drafter rebuilt from specs in a spawned, pinned process."""
     from d3d.engine import Engine
-    from d3d.pipeline.workers import available_cores
+    from d3d.worker.workers import available_cores
 
     cores = available_cores()
     if len(cores) < 2:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from d3d.config import SamplingConfig
-from d3d.drafter import D3DDrafter
 from d3d.engine import GenRequest
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import greedy_continuation, tiny_engine, tiny_model
 from tests.engine.test_sampling_exact import (
     N_NEW,

@@ -9,10 +9,10 @@ import torch
 from transformers import DynamicCache
 
 from d3d.config import SamplingConfig
-from d3d.drafter import D3DDrafter
-from d3d.pipeline.drafting import draft_branches, encode_chain
-from d3d.pipeline.protocol import Block, Close, Commit, Open
-from d3d.pipeline.server import DraftServer, ServerConfig
+from d3d.model.drafter import D3DDrafter
+from d3d.worker.drafting import draft_branches, encode_chain
+from d3d.worker.protocol import Block, Close, Commit, Open
+from d3d.worker.server import DraftServer, ServerConfig
 from tests.conftest import tiny_model
 
 

@@ -10,10 +10,10 @@ Sampling: one-hot q makes the exact acceptance rule reproduce the target's distr
 import pytest
 
 from d3d.config import SamplingConfig
-from d3d.decode import ArProposer, SyncProposer
-from d3d.drafter import D3DDrafter
-from d3d.lookup import CopyCosts, CopyDrafts
-from d3d.policy import AutoProposer, HostCosts
+from d3d.decoding.lookup import CopyCosts, CopyDrafts
+from d3d.decoding.policy import AutoProposer, HostCosts
+from d3d.decoding.proposers import ArProposer, SyncProposer
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_model
 from tests.engine.test_async_lossless import run
 from tests.engine.test_sampling_exact import (

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from d3d.config import DecodeConfig
-from d3d.decode import SyncProposer
-from d3d.drafter import D3DDrafter
+from d3d.decoding.proposers import SyncProposer
 from d3d.engine import Engine, build_drafter, decode
-from d3d.models import load_target
+from d3d.model.drafter import D3DDrafter
+from d3d.model.load import load_target
 from tests.conftest import OracleDrafter
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_oracle_drafter_accepts_full_blocks_on_the_real_model(target):
     engine = Engine(target, None)
     ids = engine.encode(PROMPTS[0])
     ref = engine.generate_ids(ids, DecodeConfig(mode="ar", max_new_tokens=33))
-    from d3d.stats import DecodeStats
+    from d3d.decoding.stats import DecodeStats
 
     stats = DecodeStats(mode="sync")
     cfg = DecodeConfig(mode="sync", max_new_tokens=33)

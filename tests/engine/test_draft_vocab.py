@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from d3d.config import SamplingConfig
-from d3d.decode import ArProposer, SyncProposer
-from d3d.drafter import IGNORE_LABEL, D3DDrafter, DrafterError, DraftSession
+from d3d.decoding.proposers import ArProposer, SyncProposer
+from d3d.model.drafter import IGNORE_LABEL, D3DDrafter, DrafterError, DraftSession
 from d3d.training.accept import block_predictions
 from d3d.training.data import draft_vocabulary
 from d3d.training.objectives import LossConfig, Packed, block_labels, packed_forward

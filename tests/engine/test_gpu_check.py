@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from d3d.gpu_check import main
+from d3d.tools.gpu_check import main
 
 
 def test_gpu_check_tiny_writes_every_figure(tmp_path):

@@ -13,16 +13,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from d3d.adapters import AdapterConfig
 from d3d.config import ConfigError, ModelConfig, SamplingConfig
-from d3d.drafter import D3DDrafter
-from d3d.drafter_specs import borrowed_layers
 from d3d.engine import DrafterFactory, Engine, build_drafter
-from d3d.memory import kv_bytes_per_token
-from d3d.models import LoadedModel, load_target, load_target_part
-from d3d.pipeline.drafting import encode_chain
-from d3d.pipeline.protocol import Open
-from d3d.pipeline.server import DraftServer, ServerConfig
+from d3d.model.adapters import AdapterConfig
+from d3d.model.drafter import D3DDrafter
+from d3d.model.load import LoadedModel, load_target, load_target_part
+from d3d.model.memory import kv_bytes_per_token
+from d3d.model.specs import borrowed_layers
+from d3d.worker.drafting import encode_chain
+from d3d.worker.protocol import Open
+from d3d.worker.server import DraftServer, ServerConfig
 from tests.conftest import tiny_model, tiny_tokenizer
 
 V, H = 151_936, 64
@@ -186,7 +186,7 @@ def test_the_prefix_cache_is_sized_from_its_budget(monkeypatch):
     engine = Engine(target, None, ModelConfig(prefix_cache="1000tok"))
     assert engine.prefix_cache.max_bytes == 1000 * per_token
     assert Engine(target, None, ModelConfig(prefix_cache="2GiB")).prefix_cache.max_bytes == 2**31
-    monkeypatch.setattr("d3d.memory.free_bytes", lambda device: 50 * 2**30)
+    monkeypatch.setattr("d3d.model.memory.free_bytes", lambda device: 50 * 2**30)
     assert Engine(target, None, ModelConfig()).prefix_cache.max_bytes == 5 * 2**30
     assert Engine(target, None, ModelConfig(prefix_cache="25%")).prefix_cache.max_bytes == (
         25 * 2**30 // 2
@@ -202,7 +202,7 @@ def test_load_target_asks_for_the_device_at_load(saved_target, monkeypatch):
     device map (a CPU load moved afterwards would hold the whole model in host memory first)."""
     from unittest import mock
 
-    import d3d.models as models
+    import d3d.model.load as models
 
     calls = []
 

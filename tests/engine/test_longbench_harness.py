@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from compression.compressor import CompressionConfig
 from compression.drafter_scorers import AttentionScoring
 from d3d.cli import main
-from d3d.drafter import D3DDrafter
 from d3d.engine import Engine
-from d3d.models import LoadedModel
+from d3d.model.drafter import D3DDrafter
+from d3d.model.load import LoadedModel
 from eval.longbench.data import Item, load_local, take_per_dataset
 from eval.longbench.prompts import item_parts
 from eval.longbench.report import write_report

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from d3d.config import DecodeConfig
-from d3d.decode import ArProposer, SyncProposer
-from d3d.drafter import D3DDrafter
+from d3d.decoding.proposers import ArProposer, SyncProposer
+from d3d.decoding.stats import DecodeStats
 from d3d.engine import decode
-from d3d.stats import DecodeStats
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import OracleDrafter, greedy_continuation, tiny_model
 
 PROMPTS = [[1, 5, 9, 22, 7], [3] * 12, list(range(2, 40))]
@@ -134,7 +134,7 @@ def _cache_with(drafter, prefix):
 def test_a_prefix_from_the_prefix_cache_gives_plain_greedy_decoding(tiny_target, prompt):
     """The target's KV for a shared prompt prefix, stored by one request and taken by the
     next, decodes exactly as plain greedy decoding of the whole prompt."""
-    from d3d.kv_store import PrefixCache
+    from d3d.engine.kv_store import PrefixCache
 
     cache = PrefixCache()
     cfg = DecodeConfig(mode="ar", max_new_tokens=20)
@@ -152,7 +152,7 @@ def test_the_prefill_round_prices_a_cached_prefix_like_the_rest(tiny_target):
     """Round 0 tells proposers the whole prompt's prefill, the cached prefix priced at the rate
     of the tokens encoded, so a cost per prompt token read from it does not fall with the
     cache (auto's catch-up rule prices the drafter's reading with it)."""
-    from d3d.kv_store import PrefixCache
+    from d3d.engine.kv_store import PrefixCache
 
     class Recording(ArProposer):
         def observe(self, acc, verify_s, next_len=None):

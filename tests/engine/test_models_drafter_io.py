@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from d3d.config import ModelConfig
-from d3d.drafter import D3DDrafter, DrafterError
 from d3d.engine import Engine, build_drafter, check_device
-from d3d.models import LoadedModel, ModelLoadError, load_target
+from d3d.model.drafter import D3DDrafter, DrafterError
+from d3d.model.load import LoadedModel, ModelLoadError, load_target
 from tests.conftest import tiny_model, tiny_tokenizer
 
 
@@ -112,7 +112,7 @@ def test_missing_devices_fail_fast():
 
 def test_a_drafter_with_its_own_tied_embeddings_round_trips(tmp_path):
     """A drafter from another model (not sharing the target's tensors) stores a tied head once."""
-    from d3d.drafter import DrafterMeta
+    from d3d.model.drafter import DrafterMeta
 
     target = tiny_model("llama", seed=2)
     lm = tiny_model("llama", seed=9)  # tie_word_embeddings=True

@@ -20,7 +20,7 @@ from compression.compressor import CompressionConfig, Compressor
 from compression.drafter_scorers import AttentionScoring
 from compression.prompt import build_parts
 from compression.qa import QA_TEMPLATE
-from d3d.drafter import D3DDrafter
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 
 # (needle sentence, question, answer): short and long facts, names, numbers, places, and
@@ -140,7 +140,7 @@ def test_default_compressor_keeps_every_needle_whole_where_fixed_chunks_cut_some
 @pytest.mark.slow
 def test_qa_answers_every_needle_at_keep_02_and_keeps_them_whole_at_01(haystack, tmp_path, capsys):
     from d3d.cli import main
-    from d3d.models import load_target
+    from d3d.model.load import load_target
 
     tok = load_target("default").tokenizer
     count = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
 
-from d3d.drafter import D3DDrafter, DraftSession
+from d3d.model.drafter import D3DDrafter, DraftSession
 from d3d.training.objectives import LossConfig
 from d3d.training.prune import PruneConfig, Stage, drop_layers, markdown_table, prune, speedup
 from d3d.training.train import TrainConfig

@@ -12,7 +12,7 @@ import torch
 from compression.prompt import build_parts
 from compression.qa import QA_TEMPLATE
 from d3d.cli import main
-from d3d.models import encode_prompt, load_target
+from d3d.model.load import encode_prompt, load_target
 from d3d.training.data import read_many
 from tests.conftest import ANSWER_TEXT, QWEN3_EOS, QWEN3_VOCAB, greedy_continuation
 

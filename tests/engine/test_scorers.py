@@ -18,8 +18,8 @@ from compression.drafter_scorers import (
     windows,
 )
 from compression.prompt import PromptParts
-from d3d import masks
-from d3d.drafter import D3DDrafter
+from d3d.model import masks
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model as shared_tiny_model
 
 VOCAB = 101

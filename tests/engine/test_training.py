@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from d3d.config import DecodeConfig
-from d3d.decode import ArProposer, SyncProposer
-from d3d.drafter import D3DDrafter, DraftSession
+from d3d.decoding.proposers import ArProposer, SyncProposer
+from d3d.decoding.stats import DecodeStats
 from d3d.engine import decode
-from d3d.stats import DecodeStats
+from d3d.model.drafter import D3DDrafter, DraftSession
 from d3d.training.accept import block_predictions, offline_acceptance
 from d3d.training.objectives import LossConfig, Packed, block_labels, packed_forward
 from d3d.training.train import TrainConfig, train
@@ -204,7 +204,7 @@ class CharTokenizer:
 
 def test_drafter_eval_report_is_lossless_and_complete(target):
     from d3d.engine import Engine
-    from d3d.models import LoadedModel
+    from d3d.model.load import LoadedModel
     from d3d.training.evaluate import evaluate
 
     engine = Engine(LoadedModel(target, CharTokenizer(), "tiny"), make_drafter(target))
@@ -217,7 +217,7 @@ def test_drafter_eval_report_is_lossless_and_complete(target):
 
 
 def test_init_from_a_whole_pretrained_model(target, tmp_path):
-    from d3d.models import LoadedModel
+    from d3d.model.load import LoadedModel
     from d3d.training.train import init_drafter, trainable
 
     small = tiny(layers=2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from d3d.drafter import D3DDrafter
+from d3d.model.drafter import D3DDrafter
 from d3d.training.data import SHARED_DATA, load_source, read_many, training_guard
 from d3d.training.teacher import (
     first_exchange,
@@ -128,7 +128,7 @@ def test_train_command_with_an_adapter_drafter(tmp_path, capsys):
 
 
 def test_generated_data_keeps_the_targets_top_k_and_pack_aligns_it(tmp_path):
-    from d3d.models import LoadedModel
+    from d3d.model.load import LoadedModel
     from d3d.training.data import DataConfig, Prompt, generate_data
     from d3d.training.objectives import pack
     from tests.engine.test_training import CharTokenizer

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from d3d import masks
-from d3d.pipeline.branches import choose_branches, outcome_logp
+from d3d.model import masks
+from d3d.worker.branches import choose_branches, outcome_logp
 
 
 def dist_rows(*rows):

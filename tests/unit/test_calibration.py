@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from d3d.calibration import acceptance_prior, seed, shipped_acceptance
-from d3d.costs import Ema
-from d3d.drafter import D3DDrafter
-from d3d.policy import HostCosts, SpeculationPolicy, expected_tokens
+from d3d.decoding.costs import Ema
+from d3d.decoding.policy import HostCosts, SpeculationPolicy, expected_tokens
+from d3d.engine.calibration import acceptance_prior, seed, shipped_acceptance
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 
 

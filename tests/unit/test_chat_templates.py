@@ -1,4 +1,4 @@
-"""One door into chat templates (:func:`d3d.models.apply_chat`): every prompt the project builds
+"""One door into chat templates (:func:`d3d.model.load.apply_chat`): every prompt the project builds
 is non-thinking on the real Qwen3 template, thinking only when asked, and templates without the
 variable still work."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from compression.prompt import build_parts
 from compression.qa import QA_TEMPLATE
-from d3d.models import apply_chat, check_template_vars, encode_messages, encode_prompt
+from d3d.model.load import apply_chat, check_template_vars, encode_messages, encode_prompt
 from d3d.training.data import read_many
 from d3d.training.teacher import write_text_records
 from tests.conftest import THINK_END_ID, THINK_START_ID

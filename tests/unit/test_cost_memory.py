@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 from d3d import cli
 from d3d.config import ModelConfig
-from d3d.cost_memory import VERSION, costs_path, load_costs, save_costs
-from d3d.policy import HostCosts
+from d3d.decoding.policy import HostCosts
+from d3d.engine.cost_memory import VERSION, costs_path, load_costs, save_costs
 
 
 def learned() -> HostCosts:

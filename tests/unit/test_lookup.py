@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from d3d.lookup import BUCKETS, CopyCosts, CopyDrafts, find_copy, one_hot_q
+from d3d.decoding.lookup import BUCKETS, CopyCosts, CopyDrafts, find_copy, one_hot_q
 
 
 def test_the_longest_match_wins_over_a_later_shorter_one():

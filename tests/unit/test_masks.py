@@ -2,7 +2,7 @@
 
 import torch
 
-from d3d import masks
+from d3d.model import masks
 
 
 def test_block_mask_sees_prefix_and_own_block():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from d3d import masks
+from d3d.model import masks
 from d3d.training.accept import accepted_prefix, replay_rounds, summarize
 from d3d.training.objectives import (
     IGNORE,

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from d3d import packing
-from d3d.decode import ArProposer, SyncProposer
-from d3d.drafter import D3DDrafter
+from d3d.decoding.proposers import ArProposer, SyncProposer
+from d3d.model import packing
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_async_lossless import PROMPTS, run
 

@@ -2,7 +2,13 @@
 
 import pytest
 
-from d3d.placement import Placement, PlacementError, parse_cores, resolve_placement, torch_device
+from d3d.engine.placement import (
+    Placement,
+    PlacementError,
+    parse_cores,
+    resolve_placement,
+    torch_device,
+)
 
 
 def test_parse_cores():

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from d3d.drafter import D3DDrafter
-from d3d.plan import CONFIGS, PlanError, PlanSettings, make_plan, register
+from d3d.model.drafter import D3DDrafter
+from d3d.tools.plan import CONFIGS, PlanError, PlanSettings, make_plan, register
 
 # name: hidden, layers, heads, KV heads, head dim, intermediate, vocab, published parameters
 PUBLISHED = {
@@ -125,4 +125,4 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
 def test_plan_is_a_registered_command():
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     group = text.split('[project.entry-points."d3d.commands"]')[1].split("\n[")[0]
-    assert 'plan = "d3d.plan:register"' in group
+    assert 'plan = "d3d.tools.plan:register"' in group

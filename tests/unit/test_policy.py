@@ -6,7 +6,7 @@ import random
 import pytest
 
 from d3d.config import SamplingConfig
-from d3d.policy import HostCosts, PositionStats, SpeculationPolicy, expected_tokens
+from d3d.decoding.policy import HostCosts, PositionStats, SpeculationPolicy, expected_tokens
 
 STEP, PER_TOKEN = 0.040, 0.0037  # this CPU: a 16-token verify costs ~2.4 steps
 
@@ -127,9 +127,9 @@ def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed(
     what the engine sizes the target's CPU budget from after every step."""
     import torch
 
-    from d3d.decode import NO_DRAFT, Proposal
-    from d3d.policy import AutoProposer
-    from d3d.verify import Acceptance
+    from d3d.decoding.policy import AutoProposer
+    from d3d.decoding.proposers import NO_DRAFT, Proposal
+    from d3d.decoding.verify import Acceptance
 
     class Spec:
         failed = False
@@ -204,9 +204,9 @@ def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(
     budget, one of 400-token answers at once, a 24-token budget never, no budget at once."""
     import torch
 
-    from d3d.decode import NO_DRAFT, Proposal
-    from d3d.policy import AutoProposer
-    from d3d.verify import Acceptance
+    from d3d.decoding.policy import AutoProposer
+    from d3d.decoding.proposers import NO_DRAFT, Proposal
+    from d3d.decoding.verify import Acceptance
 
     class Spec:
         def start(self, *args, first_len=None):
@@ -246,8 +246,8 @@ def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_pla
     typically short (then the budget is no guide: it starts plain too)."""
     import torch
 
-    from d3d.decode import Proposal
-    from d3d.policy import AutoProposer
+    from d3d.decoding.policy import AutoProposer
+    from d3d.decoding.proposers import Proposal
 
     class Spec:
         def start(self, *args, first_len=None):

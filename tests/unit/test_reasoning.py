@@ -16,7 +16,7 @@ from app.reasoning import (
     splitter_for,
 )
 from app.text import TextStream
-from d3d.models import encode_messages
+from d3d.model.load import encode_messages
 from tests.conftest import THINK_END_ID, THINK_START_ID, tiny_tokenizer
 
 

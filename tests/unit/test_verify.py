@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from d3d.verify import greedy_accept, residual_distribution, stochastic_accept
+from d3d.decoding.verify import greedy_accept, residual_distribution, stochastic_accept
 
 
 def t(*xs):

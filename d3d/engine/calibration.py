@@ -17,11 +17,11 @@ first ``make demo`` on a machine ran at 0.72x the target alone). :func:`seed` re
   ``d3d accept``) into position counts worth a few rounds, so that real rounds soon outweigh it.
 - With both, the policy decides at the first token. Where speculation loses, the first probe is
   paced as if a probe had just been measured at these figures, its drafter's catch-up included
-  (:meth:`d3d.policy.SpeculationPolicy.pace`): a drafter that re-reads every skipped token at a
+  (:meth:`d3d.decoding.policy.SpeculationPolicy.pace`): a drafter that re-reads every skipped token at a
   cost above 1 % of a plain step per token (the shipped one, as deep as the target, at about 7 %
   on this CPU) can never pay a probe back, and is probed only every 2,048 tokens.
 
-Costs stored by an earlier process on this host (:mod:`d3d.cost_memory`) win: :func:`seed` does
+Costs stored by an earlier process on this host (:mod:`d3d.engine.cost_memory`) win: :func:`seed` does
 nothing once the host has a plain step's time.
 """
 
@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from d3d.clock import WALL, Clock
 from d3d.config import SamplingConfig
-from d3d.decode import Drafter
+from d3d.decoding.clock import WALL, Clock
+from d3d.decoding.policy import HostCosts, PositionStats, SpeculationPolicy
+from d3d.decoding.proposers import Drafter
 from d3d.engine.target import BatchTarget
-from d3d.policy import HostCosts, PositionStats, SpeculationPolicy
 
 PRIOR_ROUNDS = 8.0  # how many measured rounds a shipped acceptance counts as
 CONTEXT = 64  # tokens of synthetic context the calibration runs on

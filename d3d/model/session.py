@@ -3,7 +3,7 @@
 A :class:`DraftSession` holds one request's drafter KV cache. Invariant: the cache holds the
 committed tokens except the last one (the next anchor). :meth:`DraftSession.draft` takes the
 whole committed sequence and reuses the longest cached prefix, so the caller only ever passes
-token ids; the drafter's own forwards (:meth:`d3d.drafter.D3DDrafter.block_scores`) do the rest.
+token ids; the drafter's own forwards (:meth:`d3d.model.drafter.D3DDrafter.block_scores`) do the rest.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from transformers import DynamicCache
 
 from d3d.config import SamplingConfig
-from d3d.hf import trim_cache
-from d3d.sampling import probabilities
+from d3d.decoding.sampling import probabilities
+from d3d.model.hf import trim_cache
 
 if TYPE_CHECKING:
-    from d3d.drafter import D3DDrafter
+    from d3d.model.drafter import D3DDrafter
 
 
 def rewind(

@@ -1,7 +1,7 @@
 """Memory arithmetic: bytes of weights, KV cache and activations, and a device's free memory.
 
 Pure functions of a model config and a dtype (plus :func:`free_bytes`, which asks the device),
-shared by the engine (the prefix cache's size) and ``d3d plan`` (:mod:`d3d.plan`).
+shared by the engine (the prefix cache's size) and ``d3d plan`` (:mod:`d3d.tools.plan`).
 
 - KV cache: 2 (keys and values) x layers x KV heads x head dim x bytes per token; Qwen3-8B in
   bf16 holds 144 KiB a token, so the 256 MiB the prefix cache once had kept ~1,800 tokens. The

@@ -1,16 +1,16 @@
 """GPU readiness check: the forwards that decide whether asynchronous drafting pays, timed on a GPU.
 
-``python -m d3d.gpu_check --out gpu_check.json`` (or ``scripts/gpu_check.sh``) builds a
+``python -m d3d.tools.gpu_check --out gpu_check.json`` (or ``scripts/gpu_check.sh``) builds a
 random-weight target shaped like Qwen3-8B in bf16 directly on the GPU (no download), drafters
 made of its first 5 and first 31 layers, and times, after a cached context:
 
 - a target decode step (1 token) and a 16-token verify forward;
 - each drafter's block forward and its branch-drafting forward with 1..8 branches (the chain of
-  the draft being verified plus one block per branch, one 4D mask: :mod:`d3d.pipeline.drafting`);
+  the draft being verified plus one block per branch, one 4D mask: :mod:`d3d.worker.drafting`);
 - the overlap of drafter and target on one GPU: the verify forward and an 8-branch forward run
   one after the other, then at the same time on two CUDA streams from two threads; the overlap
   factor is (sequential time) / (concurrent time) (2.0 = fully hidden, 1.0 = none);
-- memory (CUDA's allocator; None on a CPU) beside what :mod:`d3d.memory` counts, as ``d3d plan``
+- memory (CUDA's allocator; None on a CPU) beside what :mod:`d3d.model.memory` counts, as ``d3d plan``
   does: the target's weights, the KV of the context, and what building each drafter beside the
   target allocates (it shares the target's tensors: about its mask embedding) and at its peak.
 
@@ -30,10 +30,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config
 
-from d3d.drafter import D3DDrafter
-from d3d.hf import trim_cache, with_cache
-from d3d.memory import kv_bytes_per_token, param_bytes
-from d3d.pipeline.drafting import draft_branches
+from d3d.model.drafter import D3DDrafter
+from d3d.model.hf import trim_cache, with_cache
+from d3d.model.memory import kv_bytes_per_token, param_bytes
+from d3d.worker.drafting import draft_branches
 
 QWEN3_8B = dict(
     vocab_size=151936,
@@ -201,7 +201,9 @@ def _overlap(verify, branch, device: torch.device, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m d3d.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m d3d.tools.gpu_check", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU works), for tests")
     p.add_argument("--context", type=int, default=1024)

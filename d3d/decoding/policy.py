@@ -30,7 +30,7 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
   since the last probe are the host's, so probes are paced over all requests' tokens. Acceptance counts forget
   only at the positions a round tried, so what was measured beyond the length in use stays;
   every ``explore_every``-th speculative round tries the next longer length to keep measuring.
-  On a fresh host :mod:`d3d.calibration` seeds the figures at load and paces the first probe
+  On a fresh host :mod:`d3d.engine.calibration` seeds the figures at load and paces the first probe
   with :meth:`SpeculationPolicy.pace` (a probe estimated, the drafter's re-reading included).
   The first round of every run of speculative rounds waits for a cold draft (the asynchronous
   worker had no chain to branch from), so its wait updates ``t_wait`` only while nothing else is
@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.config import SamplingConfig
-from d3d.costs import Ema
-from d3d.decode import NO_DRAFT, Proposal, Proposer
-from d3d.lookup import CopyCosts, CopyDraft, CopyDrafts
-from d3d.verify import Acceptance
+from d3d.decoding.costs import Ema
+from d3d.decoding.lookup import CopyCosts, CopyDraft, CopyDrafts
+from d3d.decoding.proposers import NO_DRAFT, Proposal, Proposer
+from d3d.decoding.verify import Acceptance
 
 LENGTHS = (1, 2, 3, 4, 6, 8, 11, 15)  # draft lengths the policy chooses among
 
@@ -126,7 +126,7 @@ class HostCosts:
     wait_from_cold: bool = False  # t_wait so far comes from a cold first round only
     read_s: Ema = field(default_factory=lambda: Ema(0.2))  # target prefill s per prompt token
     answer_len: Ema = field(default_factory=lambda: Ema(0.2))  # tokens per finished request
-    copy: CopyCosts = field(default_factory=CopyCosts)  # copy rounds (d3d.lookup)
+    copy: CopyCosts = field(default_factory=CopyCosts)  # copy rounds (d3d.decoding.lookup)
 
 
 @dataclass
@@ -240,7 +240,7 @@ class SpeculationPolicy:
 
     def pace(self, catch_up_s: float = 0.0) -> int:
         """The probe interval after a losing probe of ``probe_rounds`` rounds at the best length,
-        estimated from the current figures instead of run (:mod:`d3d.calibration`).
+        estimated from the current figures instead of run (:mod:`d3d.engine.calibration`).
 
         ``catch_up_s``: the drafter's cost of re-reading one skipped token (a probe after N
         plain tokens first reads them). The interval is the N at which the probe's excess over
@@ -269,7 +269,7 @@ class SpeculationPolicy:
 class AutoProposer:
     """Speculates through ``spec`` (async or sync) as far as the policy says pays; in the rounds
     it does not, verifies a copy from the request's own text where one pays (``copies``,
-    :mod:`d3d.lookup`), else proposes nothing (a plain target step). Without a ``spec`` (no
+    :mod:`d3d.decoding.lookup`), else proposes nothing (a plain target step). Without a ``spec`` (no
     drafter) it only ever copies or steps. The split of tokens is in the stats (spec/ar tokens,
     copy rounds)."""
 

@@ -7,7 +7,7 @@ prepares the next round while the target verifies:
   chosen outcomes need (m = their largest k; that part becomes committed prefix if accepted, so
   the work is not wasted) and drafts one block ``[r, MASK x K]`` per outcome (k, r): block b
   sees the cache and chain up to ``a, d_1..d_{k_b}`` and its own slots (a 4D mask from
-  :func:`d3d.masks.branch_mask`), sits at the positions it will have if that outcome happens,
+  :func:`d3d.model.masks.branch_mask`), sits at the positions it will have if that outcome happens,
   and its KV is dropped afterwards. On this CPU a forward costs about its token count, so a
   weak drafter, whose likely outcomes are k = 0 or 1, pays for a chain of one or two tokens, not
   sixteen.
@@ -26,9 +26,9 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from d3d import masks
-from d3d.drafter import D3DDrafter
-from d3d.hf import cache_length, trim_cache
+from d3d.model import masks
+from d3d.model.drafter import D3DDrafter
+from d3d.model.hf import cache_length, trim_cache
 
 
 @torch.inference_mode()

@@ -9,7 +9,7 @@ one tensor:
 - :func:`layers_lm` — an LM of some of a target's decoder layers: by reference (the target's own
   tensors, frozen: adapter drafters, and drafters that only run inference), or copied straight
   to the drafter's device (drafters trained in full). Embeddings and LM head are the target's
-  modules; :meth:`d3d.drafter.D3DDrafter.place` copies them, once, where the drafter goes.
+  modules; :meth:`d3d.model.drafter.D3DDrafter.place` copies them, once, where the drafter goes.
 - :func:`load_partial` — a target whose embeddings, LM head, final norm and *chosen* decoder
   layers are read from its safetensors files, tensor by tensor, straight to the device in the
   wanted dtype; the other layers stay on the meta device. A drafter process needs nothing else.

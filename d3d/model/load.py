@@ -193,12 +193,12 @@ def load_target_part(
     """The target of ``spec`` with only what a drafter reads: embeddings, LM head, final norm
     and the decoder layers ``layers(depth)`` (``depth``: the target's number of layers), read
     from safetensors straight to ``device`` in ``dtype``; the other layers stay on the meta
-    device and cost nothing (:func:`d3d.skeleton.load_partial`). No tokenizer. Where the
+    device and cost nothing (:func:`d3d.model.skeleton.load_partial`). No tokenizer. Where the
     weights are not in safetensors (a GGUF file) the whole target is loaded and the unread
     layers are released afterwards."""
     from transformers import AutoConfig
 
-    from d3d.skeleton import load_partial
+    from d3d.model.skeleton import load_partial
 
     torch_dtype = resolve_dtype(dtype, device)
     folder = local_folder(spec)

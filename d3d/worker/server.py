@@ -1,7 +1,7 @@
 """The drafter worker's logic: per-request drafting sessions, branches, and the budget.
 
-:class:`DraftServer` turns messages into replies (see :mod:`d3d.pipeline.protocol`) and knows
-nothing of threads, processes or pipes: :mod:`d3d.pipeline.workers` runs it behind a queue or a
+:class:`DraftServer` turns messages into replies (see :mod:`d3d.worker.protocol`) and knows
+nothing of threads, processes or pipes: :mod:`d3d.worker.workers` runs it behind a queue or a
 pipe, and tests run it directly. ``handle`` is a generator: it yields a reply (the block the
 target waits for) *before* it goes on to prepare the next round's branches, so the caller sends
 the reply at once and the branch work overlaps the target's verification.
@@ -26,13 +26,13 @@ import torch
 from transformers import DynamicCache
 
 from d3d.config import SamplingConfig
-from d3d.drafter import D3DDrafter
-from d3d.pipeline.branches import choose_branches
-from d3d.pipeline.budget import BranchBudget
-from d3d.pipeline.drafting import draft_branches, encode_chain
-from d3d.pipeline.protocol import Block, Close, Commit, Commits, Failed, Open
-from d3d.sampling import probabilities
-from d3d.session import rewind
+from d3d.decoding.sampling import probabilities
+from d3d.model.drafter import D3DDrafter
+from d3d.model.session import rewind
+from d3d.worker.branches import choose_branches
+from d3d.worker.budget import BranchBudget
+from d3d.worker.drafting import draft_branches, encode_chain
+from d3d.worker.protocol import Block, Close, Commit, Commits, Failed, Open
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class DraftServer:
         """Draft the branches for the most likely outcomes of the verification of ``block``
         (None: of the prefill, i.e. the first answer token) of which the target verifies the
         first ``length`` drafts (None: all), and encode as much of the draft chain as they
-        need, all in one forward (see :mod:`d3d.pipeline.drafting`). ``rows``: how many rows
+        need, all in one forward (see :mod:`d3d.worker.drafting`). ``rows``: how many rows
         share this verification's budget."""
         d = self.drafter
         t0 = self.clock()

@@ -4,16 +4,16 @@ The engine's scheduler (:mod:`d3d.engine.scheduler`) runs every request, alone o
 rounds of::
 
     proposal = proposer.propose(tokens)                 # K draft tokens (K may be 0)
-    acc = accept(target logits over [anchor, d_1..d_K]) # one batched forward, d3d.verify.accept
+    acc = accept(target logits over [anchor, d_1..d_K]) # one batched forward, d3d.decoding.verify.accept
     proposer.observe(acc, verify_s)                     # what was committed
 
 Modes differ only in the proposer (a strategy, never a flag threaded through the loop):
 
 - :class:`ArProposer` -- proposes nothing, so a round is one plain decode step of the target.
 - :class:`SyncProposer` -- the drafter drafts K = B-1 tokens now, on the critical path.
-- :class:`d3d.pipeline.AsyncProposer` -- hands back a block the drafter prepared on its own device
-  while the target verified the previous one (see :mod:`d3d.pipeline`).
-- :class:`d3d.policy.AutoProposer` -- switches speculation on and off from measured costs.
+- :class:`d3d.worker.AsyncProposer` -- hands back a block the drafter prepared on its own device
+  while the target verified the previous one (see :mod:`d3d.worker`).
+- :class:`d3d.decoding.policy.AutoProposer` -- switches speculation on and off from measured costs.
 
 Invariants: both models' caches hold the committed tokens except the last one (the anchor of the
 next round); the last token of every round comes from the target; only token ids cross from
@@ -31,10 +31,10 @@ from typing import Protocol
 
 import torch
 
-from d3d.clock import WALL, Clock
 from d3d.config import SamplingConfig
-from d3d.drafter import Draft
-from d3d.verify import Acceptance
+from d3d.decoding.clock import WALL, Clock
+from d3d.decoding.verify import Acceptance
+from d3d.model.drafter import Draft
 
 __all__ = ["NO_DRAFT", "ArProposer", "Proposal", "Proposer", "SyncProposer"]
 
@@ -45,7 +45,7 @@ class Proposal:
 
     ``tokens`` [K] draft ids (K = 0: a plain decode step); ``q`` [K, V] the distributions they
     were sampled from (sampling only); ``wait_s`` the drafting time spent on the critical path;
-    ``hit``/``branches`` as in :class:`d3d.stats.Round`.
+    ``hit``/``branches`` as in :class:`d3d.decoding.stats.Round`.
     """
 
     tokens: torch.Tensor
@@ -54,7 +54,9 @@ class Proposal:
     hit: bool | None = None
     branches: int = 0
     failed: bool = False  # the drafter worker failed during this round (counted once)
-    source: str = "drafter"  # or "copy": tokens copied from the request's text (d3d.lookup)
+    source: str = (
+        "drafter"  # or "copy": tokens copied from the request's text (d3d.decoding.lookup)
+    )
     rode: bool = False  # verified only because another row made the forward wide
 
     @property

@@ -53,7 +53,7 @@ class Commit:
 @dataclass(frozen=True)
 class Commits:
     """One engine step's commits, every speculating row's at once (see
-    :class:`~d3d.pipeline.proposer.BatchedLink`)."""
+    :class:`~d3d.worker.proposer.BatchedLink`)."""
 
     items: list[Commit]
 

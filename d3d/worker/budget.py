@@ -10,7 +10,7 @@ token forward either way) and picks the largest n with ``t(n) <= safety * t_veri
 
 from __future__ import annotations
 
-from d3d.costs import Ema, LinearCost
+from d3d.decoding.costs import Ema, LinearCost
 
 
 class BranchBudget:

@@ -1,6 +1,6 @@
 """The host's measured decoding costs, kept between processes.
 
-``auto`` decides from figures it measures (:class:`d3d.policy.HostCosts`): the plain step, the
+``auto`` decides from figures it measures (:class:`d3d.decoding.policy.HostCosts`): the plain step, the
 verify's cost per token, the drafter's wait and acceptance, copy rounds per match length, probe
 pacing. A long-lived engine (the service) learns them once. A one-shot command (``d3d generate``,
 ``d3d qa``) would pay the first measurements in every process: the drafter's first speculative
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from d3d.config import ModelConfig
-from d3d.costs import Ema
-from d3d.lookup import CopyCosts
-from d3d.policy import HostCosts, PositionStats
+from d3d.decoding.costs import Ema
+from d3d.decoding.lookup import CopyCosts
+from d3d.decoding.policy import HostCosts, PositionStats
 
 log = logging.getLogger(__name__)
 

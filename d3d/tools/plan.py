@@ -3,7 +3,7 @@
 Models are built on the meta device from a config (a ``config.json`` file, a folder holding
 one, or ``qwen3-8b`` / ``qwen3-32b``: the published shapes shipped in ``d3d/configs/``) — shapes
 without storage, no weights, no download — and counted in the chosen dtype
-(:mod:`d3d.memory` has the arithmetic):
+(:mod:`d3d.model.memory` has the arithmetic):
 
 - **Weights**: every parameter once (a tied head once). A ``self:`` drafter on the target's
   device runs on the target's own tensors (the engine shares them) and adds its mask embedding
@@ -35,12 +35,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from d3d.drafter_specs import self_layers
-from d3d.memory import activation_bytes_per_row, dtype_bytes, kv_bytes_per_token, param_bytes
-from d3d.models import resolve_dtype
-from d3d.skeleton import meta_lm
+from d3d.model.load import resolve_dtype
+from d3d.model.memory import activation_bytes_per_row, dtype_bytes, kv_bytes_per_token, param_bytes
+from d3d.model.skeleton import meta_lm
+from d3d.model.specs import self_layers
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GIB = 2**30
 
 

@@ -115,7 +115,7 @@ class BoundedLru(Generic[T]):
 
 class PrefixCache(BoundedLru[DynamicCache]):
     """The target's KV for shared prompt prefixes, keyed by their token ids. ``max_bytes``: the
-    engine sizes it from the memory there is (:func:`d3d.memory.prefix_cache_bytes`); the
+    engine sizes it from the memory there is (:func:`d3d.model.memory.prefix_cache_bytes`); the
     default here suits tests and tiny models."""
 
     def __init__(self, max_bytes: int = 256 << 20, max_entries: int = 64, tag: str = "target"):

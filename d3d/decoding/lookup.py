@@ -17,7 +17,7 @@ plain step costs the most. A match length whose rounds do not beat plain steps i
 tried again now and then (its rounds cost at most one verify forward more than a plain step).
 
 A copy is a deterministic draft: its q is one-hot (:func:`one_hot_q`), for which the exact
-acceptance rule of :mod:`d3d.verify` accepts d with probability p(d) and, at a rejection,
+acceptance rule of :mod:`d3d.decoding.verify` accepts d with probability p(d) and, at a rejection,
 samples from p with d removed: still exactly the target's distribution.
 
 Letters: N tokens so far, K draft length, V vocab.
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from d3d.costs import Ema
-from d3d.verify import one_hot_q
+from d3d.decoding.costs import Ema
+from d3d.decoding.verify import one_hot_q
 
 MAX_NGRAM = 8
 BUCKETS = 4  # match lengths 1, 2, 3 and 4-or-more are judged apart

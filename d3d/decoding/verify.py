@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from d3d.config import SamplingConfig
-from d3d.sampling import probabilities
+from d3d.decoding.sampling import probabilities
 
 
 @dataclass(frozen=True)

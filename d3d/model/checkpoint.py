@@ -1,6 +1,6 @@
 """Drafter checkpoints: what a folder stores, and how a drafter is rebuilt from one.
 
-A checkpoint is ``drafter.json`` (the :class:`d3d.drafter.DrafterMeta` and the LM config) and
+A checkpoint is ``drafter.json`` (the :class:`d3d.model.drafter.DrafterMeta` and the LM config) and
 ``drafter.safetensors`` (the drafter's own tensors). Tensors borrowed from the target are never
 stored: its embeddings and LM head (``meta.shared_embeddings``), and for an adapter drafter
 (``meta.adapter``) its frozen layers too — such a checkpoint holds only the adapters, the mask
@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
-from d3d.adapters import AdapterConfig
-from d3d.drafter import (
+from d3d.model.adapters import AdapterConfig
+from d3d.model.drafter import (
     META_FILE,
     SHARED_KEYS,
     WEIGHTS_FILE,
@@ -30,10 +30,10 @@ from d3d.drafter import (
     _layer_stack,
     _vocab,
 )
-from d3d.skeleton import finish, meta_lm
+from d3d.model.skeleton import finish, meta_lm
 
 if TYPE_CHECKING:
-    from d3d.drafter import D3DDrafter
+    from d3d.model.drafter import D3DDrafter
 
 
 def save_drafter(drafter: D3DDrafter, path: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -3,12 +3,12 @@
 ``default`` is the checkpoint shipped in ``d3d/checkpoints/`` for the embedded target, else the
 target's first :data:`FALLBACK_LAYERS` layers (untrained); ``self:N`` is the target's first N
 layers, ``self:0,5,9`` those layers; anything else is a checkpoint folder written by
-:meth:`d3d.drafter.D3DDrafter.save`.
+:meth:`d3d.model.drafter.D3DDrafter.save`.
 
 :func:`borrowed_layers` answers from the spec and the checkpoint's JSON alone, before any weight
 is read, so a drafter process can load just those layers of its target
-(:func:`d3d.models.load_target_part`). :func:`d3d.engine.build_drafter` and the planner
-(:mod:`d3d.plan`) read specs through the same functions.
+(:func:`d3d.model.load.load_target_part`). :func:`d3d.engine.build_drafter` and the planner
+(:mod:`d3d.tools.plan`) read specs through the same functions.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from d3d.drafter import META_FILE, DrafterError
-from d3d.models import DEFAULT_SPECS
+from d3d.model.drafter import META_FILE, DrafterError
+from d3d.model.load import DEFAULT_SPECS
 
-CHECKPOINTS = Path(__file__).parent / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 DEFAULT_DRAFTER_DIR = CHECKPOINTS / "smollm2-135m"
 FALLBACK_LAYERS = 4
 

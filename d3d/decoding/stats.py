@@ -6,7 +6,7 @@ accumulates them. The draft counters use vLLM's metric names (``num_drafts``,
 length = 1 + accepted / drafts); the asynchronous pipeline's own figures (branch hits and
 misses, branches prepared per round, hit-round timings) and the adaptive mode's split of tokens
 with and without speculation and its copy rounds (drafts copied from the request's own text,
-:mod:`d3d.lookup`; counted in the draft counters too) sit beside them under their own names.
+:mod:`d3d.decoding.lookup`; counted in the draft counters too) sit beside them under their own names.
 
 Times: ``draft_s`` is drafting time *on the critical path* (all of it for ``sync``; for ``async``
 only the wait for a block that was not ready), ``verify_s`` the target forward with acceptance.
@@ -36,7 +36,7 @@ class Round:
     branches: int = 0
     speculative: bool = False
     failed: bool = False
-    copied: bool = False  # the drafts were copied from the request's text (d3d.lookup)
+    copied: bool = False  # the drafts were copied from the request's text (d3d.decoding.lookup)
     step_s: float = 0.0  # the whole engine step this round was part of (every row's waits too)
 
 

@@ -23,15 +23,15 @@ from typing import Protocol
 import torch
 
 from d3d.config import SamplingConfig
-from d3d.decode import NO_DRAFT, Proposal
-from d3d.pipeline.protocol import Block, Close, Commit, Commits, Failed, Open
-from d3d.verify import Acceptance
+from d3d.decoding.proposers import NO_DRAFT, Proposal
+from d3d.decoding.verify import Acceptance
+from d3d.worker.protocol import Block, Close, Commit, Commits, Failed, Open
 
 log = logging.getLogger(__name__)
 
 
 class WorkerLink(Protocol):
-    """What a proposer needs of a worker (a :class:`~d3d.pipeline.workers.WorkerClient`, or a
+    """What a proposer needs of a worker (a :class:`~d3d.worker.workers.WorkerClient`, or a
     test's fake)."""
 
     alive: bool

@@ -19,7 +19,7 @@ Design:
   those rows of the shared LM head. Its cost is B x H x V_d instead of B x H x V, and q is zero
   outside it, which both acceptance rules handle exactly (the target's residual covers the
   rest). The checkpoint stores the V_d token ids; the head rows always come from the target.
-- Optional *gated adapters* (``meta.adapter``, :mod:`d3d.adapters`): the drafter's layers are the
+- Optional *gated adapters* (``meta.adapter``, :mod:`d3d.model.adapters`): the drafter's layers are the
   target's own tensors, frozen and shared in memory, plus low-rank adapters that act only at the
   mask slots. Ungated rows (prefix, pending tokens, anchors) never see mask slots, so they
   compute exactly the target's layers; with all of the target's layers the anchor's draft is the
@@ -46,12 +46,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from d3d import masks
-from d3d.adapters import AdapterConfig, GatedAdapters, hide_gated_keys
 from d3d.config import DEFAULT_BLOCK_SIZE, SamplingConfig
-from d3d.hf import cache_length, trim_cache, with_cache
-from d3d.session import Draft, DraftSession
-from d3d.skeleton import layers_lm
+from d3d.model import masks
+from d3d.model.adapters import AdapterConfig, GatedAdapters, hide_gated_keys
+from d3d.model.hf import cache_length, trim_cache, with_cache
+from d3d.model.session import Draft, DraftSession
+from d3d.model.skeleton import layers_lm
 
 __all__ = ["D3DDrafter", "Draft", "DraftSession", "DrafterError", "DrafterMeta"]
 
@@ -158,7 +158,7 @@ class D3DDrafter(nn.Module):
         target's own tensors, frozen (no second copy on the target's device), plus the gated
         adapters if any (see the module docstring); otherwise they are copies made straight on
         the drafter's device, trained in full. Nothing vocabulary-sized is built here: the LM
-        is a meta-device skeleton filled by :func:`d3d.skeleton.layers_lm`."""
+        is a meta-device skeleton filled by :func:`d3d.model.skeleton.layers_lm`."""
         src_layers = _layer_stack(target)
         idx = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
         if not idx or any(i < 0 or i >= len(src_layers) for i in idx):
@@ -225,8 +225,8 @@ class D3DDrafter(nn.Module):
 
     def save(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
         """Write ``drafter.json`` and ``drafter.safetensors``, floating tensors in ``dtype`` if
-        given (see :mod:`d3d.checkpoint`)."""
-        from d3d.checkpoint import save_drafter
+        given (see :mod:`d3d.model.checkpoint`)."""
+        from d3d.model.checkpoint import save_drafter
 
         return save_drafter(self, path, dtype)
 
@@ -235,8 +235,8 @@ class D3DDrafter(nn.Module):
         cls, path: str | Path, target: PreTrainedModel, device: str | torch.device | None = None
     ) -> D3DDrafter:
         """Load a checkpoint written by :meth:`save`; shared (and, for an adapter drafter,
-        frozen) tensors come from ``target`` (see :mod:`d3d.checkpoint`)."""
-        from d3d.checkpoint import load_drafter
+        frozen) tensors come from ``target`` (see :mod:`d3d.model.checkpoint`)."""
+        from d3d.model.checkpoint import load_drafter
 
         return load_drafter(cls, path, target, device)
 

@@ -1,6 +1,6 @@
 """Where the drafter runs: a thread beside the target, or its own process on its own cores.
 
-A worker runs a :class:`~d3d.pipeline.server.DraftServer` behind a message channel, and one
+A worker runs a :class:`~d3d.worker.server.DraftServer` behind a message channel, and one
 :class:`WorkerClient` on the target's side routes its replies to the requests waiting for them
 (a reader thread files each reply under its session id), so one worker serves every request of
 an engine. Two transports share that client:
@@ -14,7 +14,7 @@ an engine. Two transports share that client:
   cross the pipe.
 
 A worker that dies (its pipe closes) or stops answering is the requests' problem only in that
-they lose speculation: :class:`~d3d.pipeline.proposer.AsyncProposer` times out, counts the
+they lose speculation: :class:`~d3d.worker.proposer.AsyncProposer` times out, counts the
 failure and finishes on the target alone.
 """
 
@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from d3d.pipeline.protocol import Failed, Ready, Stop
-from d3d.pipeline.server import DraftServer, ServerConfig
+from d3d.worker.protocol import Failed, Ready, Stop
+from d3d.worker.server import DraftServer, ServerConfig
 
 log = logging.getLogger(__name__)
 
