@@ -1,28 +1,20 @@
-"""The engine: a loaded target and drafter, and text in / text out over the decode loop.
+"""The engine's front object: a loaded target and drafter, and text in / text out.
 
-This is the library's front object, used by the CLI, the web app and the evaluation harness. It
-resolves model specs (see :class:`d3d.config.ModelConfig`), checks at load that the drafter fits
-the target (same vocabulary, device present), and turns a prompt into a :class:`Generation`.
-
-It also owns what outlives a request: the drafter worker of the asynchronous pipeline (started
-once, on first use or at load, where :mod:`d3d.engine.placement` says: its own process and core on a
-CPU host, a thread on the drafter's GPU; restarted if it dies), and the host's measured costs
-that ``auto`` decides from (:class:`d3d.decoding.policy.HostCosts`). Modes: ``ar`` (the target alone),
-``sync`` (draft, then verify), ``async`` (blocks prepared during verification), ``auto``
-(speculation only where it pays; async when a worker runs, else sync).
-
-Drafter specs: ``default`` (the checkpoint shipped in ``d3d/checkpoints/`` for the embedded
-target, else the target's first 4 layers, untrained), ``self:N`` (the target's first N layers,
-untrained), ``self:0,5,9`` (those layers), or a checkpoint directory written by
-:meth:`D3DDrafter.save`.
+Used by the CLI, the web app and the evaluation harnesses. It loads models from specs
+(:mod:`d3d.engine.loading`; :class:`d3d.config.ModelConfig`), checks at load that the drafter
+fits the target (same vocabulary), and owns what outlives a request: the one
+:class:`~d3d.engine.scheduler.Scheduler` every request decodes through, the drafter worker
+(:mod:`d3d.engine.drafter_host`), the host's measured costs that ``auto`` decides from
+(:class:`d3d.decoding.policy.HostCosts`) and the prefix cache. Each request gets a proposer for
+its mode: ``ar`` (the target alone), ``sync`` (draft, then verify), ``async`` (blocks prepared by
+the worker during verification), ``auto`` (speculation and copy rounds only where they pay;
+async when a worker runs, else sync).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,61 +29,21 @@ from d3d.decoding.proposers import ArProposer, Proposer, SyncProposer
 from d3d.decoding.stats import DecodeStats
 from d3d.engine.calibration import seed
 from d3d.engine.cost_memory import costs_path, load_costs, save_costs
+from d3d.engine.drafter_host import DrafterHost, launch_process
 from d3d.engine.kv import default_kv_tokens
 from d3d.engine.kv_store import PrefixCache
-from d3d.engine.placement import Placement, PlacementError, parse_cores, resolve_placement
+from d3d.engine.loading import build_drafter, check_device, placement_for
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import stream
 from d3d.model.drafter import D3DDrafter, DrafterError
-from d3d.model.load import LoadedModel, ModelLoadError, encode_prompt, load_target, load_target_part
+from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
 from d3d.model.packing import pack_linears
-from d3d.model.specs import borrowed_layers, resolve_spec, self_layers
-from d3d.worker import AsyncProposer, ProcessWorker, ThreadWorker, WorkerClient, pin_process
+from d3d.worker import AsyncProposer, WorkerClient
 from d3d.worker.proposer import BatchedLink
 
 log = logging.getLogger(__name__)
-
-
-def check_device(device: str) -> None:
-    """Fail fast on a device this host does not have."""
-    if device.startswith("cpu:"):
-        try:
-            parse_cores(device[4:])
-        except PlacementError as exc:
-            raise ModelLoadError(str(exc)) from None
-    elif device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
-        index = int(device.split(":")[1]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise ModelLoadError(
-                f"device {device!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
-            )
-    elif device != "cpu" and not device.startswith("mps"):
-        raise ModelLoadError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
-
-
-def build_drafter(
-    spec: str, target: LoadedModel, device: str | None = None, share_layers: bool = False
-) -> D3DDrafter:
-    """Resolve a drafter spec against a loaded target (see :mod:`d3d.model.specs`).
-    ``share_layers``: a ``self:`` drafter runs on the target's own layer tensors (inference:
-    no second copy) instead of copies that training may update."""
-    depth = int(target.model.config.num_hidden_layers)
-    resolved = resolve_spec(spec, target.spec, depth)
-    if resolved != spec and resolved.startswith("self:"):
-        log.warning("no trained drafter for %s: using %s, untrained", target.spec, resolved)
-    layers = self_layers(resolved)
-    if layers is not None:
-        return D3DDrafter.from_target(
-            target.model, layers, base=target.spec, device=device, share=share_layers
-        )
-    path = Path(resolved).expanduser()
-    if not path.exists():
-        raise DrafterError(f"drafter checkpoint not found: {path}")
-    return D3DDrafter.load(path, target.model, device=device)
 
 
 @dataclass
@@ -106,71 +58,6 @@ class Generation:
         out = {"text": self.text, "token_ids": self.token_ids}
         out.update(self.stats.to_dict())
         return out
-
-
-@dataclass(frozen=True)
-class DrafterFactory:
-    """Builds the drafter from model specs in another process (picklable: specs, no tensors)."""
-
-    cfg: ModelConfig
-
-    def __call__(self) -> D3DDrafter:
-        # Only what the drafter reads, in the configured dtype: its layers (if the target's),
-        # the embeddings, LM head and final norm; the target's other layers are never read.
-        target = load_target_part(
-            self.cfg.target,
-            lambda depth: borrowed_layers(self.cfg.drafter, self.cfg.target, depth),
-            device="cpu",
-            dtype=self.cfg.dtype,
-        )
-        drafter = build_drafter(self.cfg.drafter, target, "cpu", share_layers=True)
-        if self.cfg.pack:
-            pack_linears(drafter.lm)
-        return drafter
-
-
-def placement_for(cfg: ModelConfig) -> Placement:
-    """Where this config's drafter worker goes on this host (see :mod:`d3d.engine.placement`)."""
-    from d3d.worker.workers import available_cores
-
-    return resolve_placement(cfg.target_device, cfg.drafter_device, available_cores())
-
-
-@dataclass(frozen=True)
-class _CpuBudget:
-    """This process's CPU budget beside a drafter process: ``full`` is what it had before
-    (plain steps and ``close`` go back to it), ``own`` its share while the drafter drafts;
-    each is (cores, torch threads)."""
-
-    full: tuple[set[int], int]
-    own: tuple[set[int], int]
-
-
-def _launch_process(
-    cfg: ModelConfig, place: Placement
-) -> tuple[WorkerClient, _CpuBudget | None] | None:
-    """Start a drafter process where ``place`` says and pin this process to the other cores.
-    Returns the worker and the CPU budget it leaves this process (None when ``place`` is a
-    thread)."""
-    if place.kind != "process":
-        return None
-    log.info(
-        "drafter worker: own process on core(s) %s; target on core(s) %s",
-        list(place.drafter_cores),
-        list(place.target_cores),
-    )
-    worker = ProcessWorker(DrafterFactory(cfg), list(place.drafter_cores))
-    budget = None
-    if place.target_cores:
-        import os
-
-        threads = len(place.target_cores)
-        budget = _CpuBudget(
-            full=(os.sched_getaffinity(0), torch.get_num_threads()),
-            own=(set(place.target_cores), min(threads, cfg.threads or threads)),
-        )
-        pin_process(sorted(budget.own[0]), budget.own[1])
-    return worker, budget
 
 
 class Engine:
@@ -189,13 +76,7 @@ class Engine:
         # The target's KV of prompt prefixes requests share, sized from the memory there is.
         budget = model_cfg.cache_budget if model_cfg is not None else CacheBudget()
         self.prefix_cache = PrefixCache(prefix_cache_bytes(target.model, budget))
-        self.worker_restarts = 0
-        self._worker: WorkerClient | None = None
-        self._worker_lock = threading.Lock()
-        self._cpu: _CpuBudget | None = None  # set while a drafter process holds cores
-        self.manage_cpu = True  # False: the caller sets this process's CPU budget itself
-        self._cpu_state: bool | None = None  # the budget in force (True: the drafter's share)
-        self._spare: set[int] = set()  # threads kept off the target's cores (document readers)
+        self.drafters = DrafterHost(model_cfg, str(target.device), drafter)
         self._batched: BatchedLink | None = None
         self._scheduler: Scheduler | None = None
         self.default_block = DEFAULT_BLOCK_SIZE  # the copy rounds' block without a drafter
@@ -218,7 +99,7 @@ class Engine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         place = placement_for(cfg)
-        early = _launch_process(cfg, place) if with_drafter and start_worker else None
+        early = launch_process(cfg, place) if with_drafter and start_worker else None
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
         if cfg.pack:
             pack_linears(target.model)
@@ -233,7 +114,7 @@ class Engine:
         if cfg.costs_dir:
             engine.remember_costs(costs_path(cfg, cfg.costs_dir))
         if early is not None:
-            engine._worker, engine._cpu = early
+            engine.drafters.adopt(early)
         elif with_drafter and start_worker:
             engine.worker(wait=False)
         return engine
@@ -271,70 +152,34 @@ class Engine:
         log.info("calibrated decoding costs: %s", figures)
         return figures
 
-    # ----- the drafter worker -----------------------------------------------------------
+    # ----- the drafter worker (d3d.engine.drafter_host) -------------------------------------
     def worker(self, wait: bool = True, timeout: float = 600.0) -> WorkerClient | None:
-        """The drafter worker, started on first use (and again if it died); None without a
-        drafter, or if it could not start."""
-        with self._worker_lock:
-            w = self._worker
-            if w is not None and not w.alive:
-                log.warning("the drafter worker died; starting a new one")
-                self.worker_restarts += 1
-                self._close_worker()
-                w = None
-            if w is None:
-                w = self._start_worker()
-                self._worker = w
-        if w is not None and wait and not w.wait_ready(timeout):
-            log.error("the drafter worker did not start; speculation falls back")
-            return None
-        return w
+        """The drafter worker, started on first use (and again if it died)."""
+        return self.drafters.worker(wait, timeout)
 
-    def _start_worker(self) -> WorkerClient | None:
-        cfg = self.model_cfg or ModelConfig(target_device=str(self.target.device))
-        place = placement_for(cfg)
-        if place.kind == "process" and self.model_cfg is not None:
-            worker, self._cpu = _launch_process(cfg, place)  # type: ignore[misc]
-            return worker
-        return ThreadWorker(self.drafter) if self.drafter is not None else None
+    @property
+    def worker_restarts(self) -> int:
+        return self.drafters.restarts
 
-    def _close_worker(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
-        if self._cpu is not None:
-            cores, threads = self._cpu.full
-            pin_process(sorted(cores), threads)
-            self._cpu = self._cpu_state = None
+    @property
+    def manage_cpu(self) -> bool:
+        return self.drafters.manage_cpu
+
+    @manage_cpu.setter
+    def manage_cpu(self, value: bool) -> None:
+        self.drafters.manage_cpu = value
 
     def cpu_budget(self, speculating: bool) -> None:
-        """Where a drafter process holds cores of its own, speculative rounds keep the target to
-        the others, and plain steps (``ar``, or ``auto`` with speculation off) give it every
-        core back: a drafter that is not drafting must not cost the target a core."""
-        if self._cpu is None or not self.manage_cpu or self._cpu_state is speculating:
-            return
-        cores, threads = self._cpu.own if speculating else self._cpu.full
-        pin_process(sorted(cores), threads, self._spare)
-        self._cpu_state = speculating
+        """Fewer cores for the target while a drafter process drafts, all of them otherwise."""
+        self.drafters.cpu_budget(speculating)
 
     def spare_thread(self) -> None:
-        """Keep the calling thread (one that reads documents beside decoding) off the target's
-        cores for good: on the drafter process's cores where it has its own, otherwise wherever
-        the OS puts it. The target's CPU budget then never moves it."""
-        import os
-
-        tid = threading.get_native_id()
-        self._spare.add(tid)
-        if self._cpu is not None:
-            spare = self._cpu.full[0] - self._cpu.own[0]
-            if spare:
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(0, spare)
+        """Keep the calling thread (a document reader) off the target's cores."""
+        self.drafters.spare_thread()
 
     def close(self) -> None:
         """Stop the drafter worker (and give the target its cores back)."""
-        with self._worker_lock:
-            self._close_worker()
+        self.drafters.close()
 
     # ----- decoding ---------------------------------------------------------------------
     def proposer(self, mode: str, budget: int | None = None, copy: bool = True) -> Proposer:

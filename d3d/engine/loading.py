@@ -1,0 +1,87 @@
+"""Models from specs: the devices checked, the drafter built against its target, and the
+picklable factory a drafter process builds its drafter with (specs cross, never tensors)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from d3d.config import ModelConfig
+from d3d.engine.placement import Placement, PlacementError, parse_cores, resolve_placement
+from d3d.model.drafter import D3DDrafter, DrafterError
+from d3d.model.load import LoadedModel, ModelLoadError, load_target_part
+from d3d.model.packing import pack_linears
+from d3d.model.specs import borrowed_layers, resolve_spec, self_layers
+
+log = logging.getLogger(__name__)
+
+
+def check_device(device: str) -> None:
+    """Fail fast on a device this host does not have."""
+    if device.startswith("cpu:"):
+        try:
+            parse_cores(device[4:])
+        except PlacementError as exc:
+            raise ModelLoadError(str(exc)) from None
+    elif device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {device!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
+            )
+    elif device != "cpu" and not device.startswith("mps"):
+        raise ModelLoadError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
+
+
+def build_drafter(
+    spec: str, target: LoadedModel, device: str | None = None, share_layers: bool = False
+) -> D3DDrafter:
+    """Resolve a drafter spec against a loaded target (see :mod:`d3d.model.specs`).
+    ``share_layers``: a ``self:`` drafter runs on the target's own layer tensors (inference:
+    no second copy) instead of copies that training may update."""
+    depth = int(target.model.config.num_hidden_layers)
+    resolved = resolve_spec(spec, target.spec, depth)
+    if resolved != spec and resolved.startswith("self:"):
+        log.warning("no trained drafter for %s: using %s, untrained", target.spec, resolved)
+    layers = self_layers(resolved)
+    if layers is not None:
+        return D3DDrafter.from_target(
+            target.model, layers, base=target.spec, device=device, share=share_layers
+        )
+    path = Path(resolved).expanduser()
+    if not path.exists():
+        raise DrafterError(f"drafter checkpoint not found: {path}")
+    return D3DDrafter.load(path, target.model, device=device)
+
+
+@dataclass(frozen=True)
+class DrafterFactory:
+    """Builds the drafter from model specs in another process (picklable: specs, no tensors)."""
+
+    cfg: ModelConfig
+
+    def __call__(self) -> D3DDrafter:
+        # Only what the drafter reads, in the configured dtype: its layers (if the target's),
+        # the embeddings, LM head and final norm; the target's other layers are never read.
+        target = load_target_part(
+            self.cfg.target,
+            lambda depth: borrowed_layers(self.cfg.drafter, self.cfg.target, depth),
+            device="cpu",
+            dtype=self.cfg.dtype,
+        )
+        drafter = build_drafter(self.cfg.drafter, target, "cpu", share_layers=True)
+        if self.cfg.pack:
+            pack_linears(drafter.lm)
+        return drafter
+
+
+def placement_for(cfg: ModelConfig) -> Placement:
+    """Where this config's drafter worker goes on this host (see :mod:`d3d.engine.placement`)."""
+    from d3d.worker.workers import available_cores
+
+    return resolve_placement(cfg.target_device, cfg.drafter_device, available_cores())
