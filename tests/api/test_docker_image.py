@@ -61,7 +61,7 @@ def container(image):
     finally:
         logs = docker("logs", "--tail", "60", name)  # pytest shows them when the test fails
         print(logs.stdout + logs.stderr)
-        docker("rm", "-f", name)
+        docker("rm", "-f", "-v", name)
 
 
 def state(name: str, field: str) -> str:
