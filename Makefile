@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that reverses a string.
 
-.PHONY: setup demo test test-fast lint format bench clean
+.PHONY: setup demo test test-fast lint format bench clean docker-context docker-cpu docker-gpu \
+	docker-gpu-deps
 
 setup: $(VENV)/.installed
 
@@ -37,3 +38,35 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Docker images (docs/deploy.md). BASE_IMAGE is used if it can be pulled; otherwise
+# scripts/docker_base.sh makes (once) and uses a local bookworm base with debootstrap.
+DOCKER ?= docker
+BASE_IMAGE ?= debian:bookworm-slim
+TORCH_VERSION ?= 2.13.0
+TORCH_GPU_INDEX ?=
+BUILD_CA ?= $(firstword $(wildcard /etc/ssl/certs/ca-certificates.crt /etc/pki/tls/certs/ca-bundle.crt))
+DOCKER_BUILD = base=$$(DOCKER=$(DOCKER) scripts/docker_base.sh $(BASE_IMAGE)) && $(DOCKER) build \
+	--build-arg BASE_IMAGE=$$base --build-arg TORCH_VERSION=$(TORCH_VERSION)
+
+# The build's optional inputs in docker/: the CAs this host trusts (pip in the build stages trusts
+# them too) and the CPU torch wheel from this host's pip sources, if they hold one (they do on the
+# project's machines; elsewhere the image takes it from PyTorch's CPU index).
+docker-context:
+	@mkdir -p docker/wheels
+	@$(if $(BUILD_CA),cmp -s $(BUILD_CA) docker/ca.pem || cp $(BUILD_CA) docker/ca.pem,rm -f docker/ca.pem)
+	@ls docker/wheels/torch-$(TORCH_VERSION)+cpu-cp311-*.whl >/dev/null 2>&1 \
+	  || $(PYTHON) -m pip download -q --no-index --no-deps --only-binary=:all: --python-version 3.11 \
+	       --platform manylinux_2_28_x86_64 -d docker/wheels 'torch==$(TORCH_VERSION)+cpu' 2>/dev/null \
+	  || echo "no local CPU torch wheel: the image takes torch $(TORCH_VERSION) from PyTorch's CPU index"
+
+docker-cpu: docker-context
+	$(DOCKER_BUILD) --target cpu -t d3d:cpu .
+
+docker-gpu: docker-context
+	$(DOCKER_BUILD) --build-arg TORCH_GPU_INDEX=$(TORCH_GPU_INDEX) --target gpu -t d3d:gpu .
+
+# The GPU image's packages resolved (no CUDA downloaded): what CI checks.
+docker-gpu-deps: docker-context
+	$(DOCKER_BUILD) --build-arg TORCH_GPU_INDEX=$(TORCH_GPU_INDEX) --target gpu-deps \
+	  -t d3d:gpu-deps .

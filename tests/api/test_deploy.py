@@ -1,5 +1,6 @@
-"""The Docker image's entry point and the `d3d serve` command, run directly (no Docker engine
-here), plus hadolint over the Dockerfile when it is installed."""
+"""The Dockerfile's two images read as text (entry point, health check, user, GPU settings), the
+cpu image's entry point run directly, and hadolint over the Dockerfile when it is installed. The
+images themselves are built and run in a Docker engine by test_docker_image.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 def stage(name: str) -> str:
     text = DOCKERFILE.read_text().replace("\\\n", " ")
     parts = re.split(r"^FROM ", text, flags=re.M)
-    return next(p for p in parts if re.match(rf"\S+ AS {name}\b", p))
+    return next(p for p in parts if re.match(rf"\S+ AS {name}$", p, flags=re.M))
 
 
 def stage_env(text: str) -> dict[str, str]:
