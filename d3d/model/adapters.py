@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,13 +86,25 @@ class _Hook:
         self.owner, self.key = owner, key
 
     def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-        rows = self.owner.rows
+        rows = self.owner.gate.rows
         if rows is None:
             return None  # the frozen layer's own output
         delta = self.owner.lora[self.key](args[0])
         if isinstance(rows, bool):  # every row
             return out + delta
         return out + delta * rows.to(delta.dtype)  # rows: [Q, 1] 0/1 mask
+
+
+class _Gate(threading.local):
+    """Which rows the adapters act at, one value per thread (copies start ungated)."""
+
+    rows: torch.Tensor | bool | None = None
+
+    def __deepcopy__(self, memo: dict) -> _Gate:
+        return _Gate()
+
+    def __reduce__(self):
+        return (_Gate, ())
 
 
 class GatedAdapters(nn.Module):
@@ -101,7 +114,9 @@ class GatedAdapters(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.lora = nn.ModuleDict()
-        self.rows: torch.Tensor | bool | None = None
+        # The rows the adapters act at, per thread: the engine may draft on its own thread
+        # while a thread worker drafts with the same drafter on another.
+        self.gate = _Gate()
         found = set()
         for name, mod in layers.named_modules():
             last = name.rsplit(".", 1)[-1]
@@ -123,11 +138,11 @@ class GatedAdapters(nn.Module):
             rows = True
         else:
             rows = slots.float().unsqueeze(-1)
-        self.rows = rows
+        self.gate.rows = rows
         try:
             yield
         finally:
-            self.rows = None
+            self.gate.rows = None
 
 
 def hide_gated_keys(

@@ -215,3 +215,28 @@ def test_pruning_refuses_an_adapter_drafter(tmp_path):
     target = tiny_model("llama", seed=3, layers=3)
     with pytest.raises(ValueError, match="depth sweep"):
         prune(adapter_drafter(target), target, [], [], PruneConfig(), tmp_path)
+
+
+def test_two_threads_drafting_with_one_adapter_drafter_get_their_own_gate(target):
+    """The engine drafts (sync rows) on its thread while a thread worker drafts with the same
+    drafter: each thread's adapters act at its own forward's mask slots."""
+    import threading
+
+    d = adapter_drafter(target)
+    with torch.no_grad():
+        for p in d.adapters.parameters():
+            p.normal_(0, 0.5)
+    prompts = [list(range(3 + i, 40 + i)) for i in range(6)]
+    alone = [d.session().draft(p).tokens.tolist() for p in prompts]
+    got: dict[int, list[list[int]]] = {}
+
+    def run(i: int) -> None:
+        got[i] = [d.session().draft(prompts[i]).tokens.tolist() for _ in range(5)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, drafts in got.items():
+        assert all(x == alone[i] for x in drafts), i
