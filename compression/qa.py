@@ -34,7 +34,8 @@ from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import DrafterAttentionScorer
 from compression.prompt import PromptParts, build_parts
 from d3d.config import DecodeConfig
-from d3d.engine import Engine
+from d3d.decoding.stats import DecodeStats
+from d3d.engine import Engine, Generation
 
 log = logging.getLogger(__name__)
 
@@ -238,20 +239,21 @@ class DocumentQA:
             for t in warm:
                 t.join()
             waited = time.perf_counter() - t0
-            window = getattr(self.engine.target.model.config, "max_position_embeddings", None)
-            if window and comp.kept_tokens + dcfg.max_new_tokens + dcfg.block_size > window:
-                raise ValueError(
-                    f"the kept prompt ({comp.kept_tokens} tokens) does not fit the target's "
-                    f"{window}-token window: lower --keep"
-                )
             # The instruction and the document's head open every question's kept prompt: the
             # target's KV for them is kept for the next question (the engine's prefix cache).
-            gen = self.engine.generate_ids(
-                comp.parts.ids,
-                dcfg,
-                draft_prompt_ids=parts.ids if draft_from_document else None,
-                shared_prefix=comp.shared_prefix if comp.head else 0,
-            )
+            stats = DecodeStats(mode=dcfg.mode)
+            try:  # the engine checks the request at once (window, KV budget): say the fix
+                chunks = self.engine.stream(
+                    comp.parts.ids,
+                    dcfg,
+                    stats,
+                    draft_prompt_ids=parts.ids if draft_from_document else None,
+                    shared_prefix=comp.shared_prefix if comp.head else 0,
+                )
+            except ValueError as exc:
+                raise ValueError(f"the kept prompt does not fit: {exc}; lower --keep") from exc
+            ids = [t for chunk in chunks for t in chunk]
+            gen = Generation(self.tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
         st = gen.stats
         timings = Timings(tokenize_s, comp.seconds, waited + st.prefill_seconds, st.decode_seconds)
         return QAResult(gen.text.strip(), question, comp, st.to_dict(), timings, cached)
