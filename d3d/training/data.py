@@ -74,11 +74,20 @@ def is_heldout(prompt_id: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
+def data_files(path: str | Path) -> list[Path]:
+    """The files a data path stands for: the file, and the shards ``d3d data --shard`` wrote
+    beside it (``NAME.shard-i-of-n.jsonl``)."""
+    p = Path(path)
+    shards = sorted(p.parent.glob(f"{p.stem}.shard-*-of-*{p.suffix}"))
+    return ([p] if p.is_file() or not shards else []) + shards
+
+
 def read_many(paths: str | Path | Sequence[str | Path], split: str | None = None) -> list[dict]:
-    """Records of one or more data files, in order (see :func:`read_records`)."""
+    """Records of one or more data paths (each a file and its shards, :func:`data_files`), in
+    order (see :func:`read_records`)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    return [r for p in paths for r in read_records(p, split)]
+    return [r for p in paths for f in data_files(p) for r in read_records(f, split)]
 
 
 def training_guard(records: Sequence[dict], allow_eval: bool = False) -> list[dict]:

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from d3d.engine import Engine, GenRequest
 from d3d.training.contamination import EvalIndex
-from d3d.training.data import EVAL_SOURCES, is_heldout, read_jsonl
+from d3d.training.data import EVAL_SOURCES, data_files, is_heldout, read_jsonl
 from d3d.training.sources import Prompt
 
 log = logging.getLogger(__name__)
@@ -100,15 +100,9 @@ class Shard:
         return out.with_name(f"{out.stem}.shard-{self.index}-of-{self.count}{out.suffix}")
 
 
-def shard_files(out: Path) -> list[Path]:
-    """``out`` and every shard file of it that exists."""
-    found = sorted(out.parent.glob(f"{out.stem}.shard-*-of-*{out.suffix}"))
-    return ([out] if out.is_file() else []) + found
-
-
 def done_ids(out: Path) -> set[str]:
     """Ids already written to ``out`` or its shard files (torn last lines dropped)."""
-    return {r["id"] for p in shard_files(out) for r in read_jsonl(p, repair=True)}
+    return {r["id"] for p in data_files(out) if p.is_file() for r in read_jsonl(p, repair=True)}
 
 
 @dataclass
