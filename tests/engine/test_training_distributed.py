@@ -117,3 +117,18 @@ def test_gradient_checkpointing_changes_nothing(qwen3_dir, qwen3_init_dir, qwen3
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
     for a, b in zip(out[0][1], out[1][1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_keeps_fp32_master_weights_under_bf16_autocast(
+    capsys, tmp_path, qwen3_dir, qwen3_init_dir, qwen3_data
+):
+    args = train_args(qwen3_dir, qwen3_init_dir, qwen3_data, tmp_path / "run", "--device", "cuda",
+                      "--dtype", "bfloat16")  # fmt: skip
+    assert main([str(a) for a in args]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] == 3 and report["loss"] == report["loss"]  # finite, not NaN
+    stored = weights(tmp_path / "run" / "final")
+    assert stored["lm.model.layers.0.mlp.up_proj.weight"].dtype == torch.float32  # trained
+    assert stored["lm.model.embed_tokens.weight"].dtype == torch.bfloat16  # frozen
