@@ -221,7 +221,8 @@ def generate_data(
     if out.is_file() and out.stat().st_size and not out.read_bytes().endswith(b"\n"):
         with out.open("a") as f:  # a whole last line without its newline: end it first
             f.write("\n")
-    sched = engine.scheduler(max_batch=cfg.batch_size)
+    sched = engine.scheduler()
+    sched.max_batch = cfg.batch_size  # whatever the engine's scheduler ran before
     finished: list[tuple[Prompt, list[int], str | None, list[int], BaseException | None]] = []
     live = 0
     t0 = time.perf_counter()

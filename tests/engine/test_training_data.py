@@ -40,13 +40,17 @@ def responses(path) -> dict[str, list[int]]:
     return {r["id"]: r["response_ids"] for r in read_many(path)}
 
 
-def test_a_batch_writes_what_one_at_a_time_writes(engine, tmp_path):
+def test_a_batch_writes_what_one_at_a_time_writes(engine, tmp_path, monkeypatch):
     prompts = mixed_prompts()
     cfg = DataConfig(max_new_tokens=16, heldout_fraction=0.0)
     one = generate_data(engine, prompts, tmp_path / "one.jsonl",
                         DataConfig(**{**cfg.__dict__, "batch_size": 1}), progress=False)  # fmt: skip
+    sched, widths = engine.scheduler(), []
+    step = sched.step
+    monkeypatch.setattr(sched, "step", lambda: (widths.append(len(sched.rows)), step()))
     many = generate_data(engine, prompts, tmp_path / "many.jsonl",
                          DataConfig(**{**cfg.__dict__, "batch_size": 4}), progress=False)  # fmt: skip
+    assert max(widths) == 4  # rows decoded together (and joined as others finished)
     assert one.written == many.written == len(prompts)
     assert responses(tmp_path / "many.jsonl") == responses(tmp_path / "one.jsonl")
     lengths = {len(r) for r in responses(tmp_path / "one.jsonl").values()}
