@@ -276,7 +276,7 @@ def compute(r: Recipe, gpu: Gpu = GPUS["h100"], mfu: float = 0.4, bw_eff: float 
 
     # prune: each stage scores every remaining layer's removal, then recovers
     val_rows = r.val_seqs * seq
-    flops = 0.0
+    flops = tokens = 0.0
     for k in range(r.max_stages):
         n = d.layers - k
         if n <= r.min_layers:
@@ -285,8 +285,9 @@ def compute(r: Recipe, gpu: Gpu = GPUS["h100"], mfu: float = 0.4, bw_eff: float 
         score = n * val_rows * (2 * (n - 1) * per_layer + 2 * d.head / r.val_stride)
         recover = r.recovery_steps * r.recovery_batch * per_seq * (n - 1) / d.layers
         flops += score + recover
+        tokens += n * val_rows + r.recovery_steps * r.recovery_batch * rows
     where = f"target on one GPU, drafter on {r.drafter_device}" if r.drafter_device else "one GPU"
-    out.append(StageCompute("prune", val_rows, flops, flops / rate / 3600,
+    out.append(StageCompute("prune", tokens, flops, flops / rate / 3600,
                             f"up to {r.max_stages} stages from {d.layers} layers, "
                             f"{r.recovery_steps} recovery steps each; {where}"))  # fmt: skip
 

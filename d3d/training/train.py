@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -121,8 +122,13 @@ def trainable(drafter: D3DDrafter) -> list[torch.nn.Parameter]:
 def sequence_order(n: int, index: int, seed: int) -> int:
     """The record used as the ``index``-th training sequence: a fresh permutation per epoch."""
     epoch, i = divmod(index, n)
+    return _permutation(n, seed, epoch)[i]
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int, epoch: int) -> list[int]:
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return int(torch.randperm(n, generator=g)[i])
+    return torch.randperm(n, generator=g).tolist()
 
 
 def usable(records: Sequence[dict]) -> list[dict]:

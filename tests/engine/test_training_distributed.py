@@ -98,14 +98,19 @@ def test_two_processes_train_what_one_does(runs, kind):
 
 
 def test_a_run_resumes_at_another_world_size(runs, tmp_path, qwen3_dir, qwen3_init_dir, qwen3_data):
-    # Steps 1-2 ran in two processes; one process takes over from their checkpoint.
-    shutil.copytree(runs["ddp"] / "step_2", tmp_path / "run" / "last")
-    args = train_args(qwen3_dir, qwen3_init_dir, qwen3_data, tmp_path / "run", *FLAGS)
+    # Steps 1-2 ran in two processes (DDP); one process takes over from their checkpoint.
+    shutil.copytree(runs["ddp"] / "step_2", tmp_path / "one" / "last")
+    args = train_args(qwen3_dir, qwen3_init_dir, qwen3_data, tmp_path / "one", *FLAGS)
     assert main([str(a) for a in args]) == 0
-    assert sorted(losses(tmp_path / "run")) == [3, 4]
-    assert_same_weights(runs["single"] / "final", tmp_path / "run" / "final")
-    trainer = torch.load(tmp_path / "run" / "last" / "trainer.pt")
-    assert trainer["step"] == 4
+    assert sorted(losses(tmp_path / "one")) == [3, 4]
+    assert_same_weights(runs["single"] / "final", tmp_path / "one" / "final")
+    assert torch.load(tmp_path / "one" / "last" / "trainer.pt")["step"] == 4
+    # Steps 1-2 ran in one process; two FSDP processes shard its state and take over.
+    shutil.copytree(runs["single"] / "step_2", tmp_path / "two" / "last")
+    torchrun(2, train_args(qwen3_dir, qwen3_init_dir, qwen3_data, tmp_path / "two", *FLAGS,
+                           "--parallel", "fsdp"))  # fmt: skip
+    assert sorted(losses(tmp_path / "two")) == [3, 4]
+    assert_same_weights(runs["single"] / "final", tmp_path / "two" / "final")
 
 
 def test_gradient_checkpointing_changes_nothing(qwen3_dir, qwen3_init_dir, qwen3_data):
