@@ -126,6 +126,26 @@ def test_the_init_drafter_loads_everywhere_a_drafter_does(qwen3_dir, trained):
         assert sy == ar
 
 
+def test_the_init_drafter_drafts_in_its_own_process(qwen3_dir, trained):
+    from d3d.pipeline.workers import available_cores
+
+    cores = available_cores()
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    cfg = ModelConfig(target=str(qwen3_dir), drafter=str(trained),
+                      drafter_device=f"cpu:{cores[-1]}", threads=1)  # fmt: skip
+    engine = Engine.from_config(cfg, start_worker=True)
+    try:
+        worker = engine.worker()
+        assert worker is not None and worker.info["kind"] == "process"
+        prompt = engine.encode("Name a prime number.")
+        ar = engine.generate_ids(prompt, DecodeConfig(mode="ar", max_new_tokens=24))
+        got = engine.generate_ids(prompt, DecodeConfig(mode="async", max_new_tokens=24))
+        assert got.token_ids == ar.token_ids and got.stats.num_drafts > 0
+    finally:
+        engine.close()
+
+
 def test_train_init_with_adapters_stores_only_what_trained(capsys, tmp_path, qwen3_dir, qwen3_init_dir,
                                                          qwen3_data):  # fmt: skip
     out = tmp_path / "run"
