@@ -166,8 +166,11 @@ def qwen3_tokenizer_files() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
-def qwen3_like(seed: int = 0, layers: int = 2, hidden: int = 64) -> PreTrainedModel:
-    """A random-weight Qwen3 with Qwen3-8B's vocabulary, ids, untied head and RoPE base."""
+def qwen3_like(
+    seed: int = 0, layers: int = 2, hidden: int = 64, tie: bool = False
+) -> PreTrainedModel:
+    """A random-weight Qwen3 with Qwen3-8B's vocabulary, ids, untied head and RoPE base
+    (``tie``: a tied head, as the small Qwen3 models have)."""
     cfg = Qwen3Config(
         vocab_size=QWEN3_VOCAB,
         hidden_size=hidden,
@@ -179,7 +182,7 @@ def qwen3_like(seed: int = 0, layers: int = 2, hidden: int = 64) -> PreTrainedMo
         max_position_embeddings=40_960,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         bos_token_id=QWEN3_BOS,
         eos_token_id=QWEN3_EOS,
     )
@@ -230,6 +233,53 @@ def qwen3_tokenizer():
 def qwen3_dir(tmp_path_factory, qwen3_tokenizer) -> Path:
     """A folder holding a random :func:`qwen3_like` model and the real tokenizer."""
     return save_qwen3(qwen3_like(), qwen3_tokenizer, tmp_path_factory.mktemp("qwen3"))
+
+
+# A second tiny Qwen3 with the same tokenizer, another width and depth and a tied head (as the
+# small Qwen3 models have): what ``d3d train --init`` starts a drafter from.
+QWEN3_INIT_HIDDEN, QWEN3_INIT_LAYERS = 96, 3
+
+
+@pytest.fixture(scope="session")
+def qwen3_init_dir(tmp_path_factory, qwen3_tokenizer) -> Path:
+    model = qwen3_like(seed=1, layers=QWEN3_INIT_LAYERS, hidden=QWEN3_INIT_HIDDEN, tie=True)
+    return save_qwen3(model, qwen3_tokenizer, tmp_path_factory.mktemp("qwen3_init"))
+
+
+QWEN3_PROMPTS = [
+    {"prompt": "Say hi."},
+    {"prompt": "Count to three, then explain what counting is."},
+    {"id": "chat/1", "messages": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "(dropped: the target answers)"}]},
+    {"prompt": "Write one sentence about rivers and another about the sea."},
+    {"prompt": "What is two plus two?"},
+    {"prompt": "List three fruits."},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def qwen3_prompts(tmp_path_factory) -> Path:
+    """A ``d3d data --prompts`` file: plain prompts and a chat (``messages``)."""
+    import json
+
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in QWEN3_PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_data(tmp_path_factory, qwen3_dir, qwen3_prompts) -> Path:
+    """The tiny Qwen3's greedy answers to :data:`QWEN3_PROMPTS`, written by ``d3d data``."""
+    from d3d.cli import main
+
+    out = tmp_path_factory.mktemp("data") / "data.jsonl"
+    args = ["data", "--prompts", qwen3_prompts, "--out", out, "--target", qwen3_dir,
+            "--max-new-tokens", "12", "--heldout-fraction", "0", "--threads", "1", "--quiet"]  # fmt: skip
+    assert main([str(a) for a in args]) == 0
+    return out
 
 
 REASONING_TEXT, ANSWER_TEXT = "The user greets me", "Hello there!"

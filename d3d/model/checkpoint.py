@@ -4,8 +4,11 @@ A checkpoint is ``drafter.json`` (the :class:`d3d.model.drafter.DrafterMeta` and
 ``drafter.safetensors`` (the drafter's own tensors). Tensors borrowed from the target are never
 stored: its embeddings and LM head (``meta.shared_embeddings``), and for an adapter drafter
 (``meta.adapter``) its frozen layers too — such a checkpoint holds only the adapters, the mask
-embedding and the draft-vocabulary ids (a few MB at any depth). Loading recognises the kind from
-the JSON alone, so callers (``d3d.engine.build_drafter``) never need to know which it is.
+embedding and the draft-vocabulary ids (a few MB at any depth). A drafter initialised from
+another pretrained model (``meta.init``) stores its own embeddings and head when trained in
+full; with adapters, its frozen rest is read again from ``meta.init``. Loading recognises the
+kind from the JSON alone, so callers (``d3d.engine.build_drafter``) never need to know which it
+is, and reads the stored tensors straight to the drafter's device.
 """
 
 from __future__ import annotations
@@ -36,13 +39,19 @@ if TYPE_CHECKING:
     from d3d.model.drafter import D3DDrafter
 
 
-def save_drafter(drafter: D3DDrafter, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_drafter(
+    drafter: D3DDrafter,
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write the checkpoint folder (borrowed tensors left out; floating tensors stored in
-    ``dtype`` when given — loading casts them back to the target's dtype)."""
+    ``dtype`` when given — loading casts them back to the target's dtype). ``tensors``: the
+    drafter's state dict as whole tensors when its own are shards (a sharded training run)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state, seen = {}, set()
-    for k, v in drafter.state_dict().items():
+    for k, v in (drafter.state_dict() if tensors is None else tensors).items():
         if drafter.meta.shared_embeddings and k.startswith(SHARED_KEYS):
             continue  # the target's tensors: never copied, never stored
         if drafter.adapters is not None and k.startswith("lm."):
@@ -100,8 +109,8 @@ def load_drafter(
         lm.set_output_embeddings(target.get_output_embeddings())
     drafter = cls(lm, meta)
     state = {
-        k: v.to(dev, target.dtype if v.is_floating_point() else v.dtype)
-        for k, v in load_file(str(src / WEIGHTS_FILE)).items()
+        k: v.to(dtype=target.dtype if v.is_floating_point() else v.dtype)
+        for k, v in load_file(str(src / WEIGHTS_FILE), device=str(torch.device(dev))).items()
     }
     missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
     tied = getattr(cfg, "tie_word_embeddings", False) and not meta.shared_embeddings
@@ -123,15 +132,25 @@ def load_drafter(
 def _load_adapter(
     cls: type[D3DDrafter], src: Path, meta: DrafterMeta, target: PreTrainedModel, device
 ) -> D3DDrafter:
-    """An adapter checkpoint: the target's layers again (shared), then the stored tensors."""
-    depth = len(_layer_stack(target))
-    if meta.target_layers and meta.target_layers != depth:
-        raise DrafterError(
-            f"adapter checkpoint {src} was trained on a {meta.target_layers}-layer target, "
-            f"this one has {depth}"
-        )
-    drafter = cls.from_target(target, list(meta.layers), meta.block_size, meta.base,
-                              adapter=AdapterConfig.from_dict(meta.adapter))  # fmt: skip
+    """An adapter checkpoint: the target's layers again (shared), or the ``meta.init`` model's,
+    then the stored tensors."""
+    adapter = AdapterConfig.from_dict(meta.adapter)
+    if meta.init is not None:
+        drafter = cls.from_pretrained(meta.init, target, device, adapter, meta.block_size)
+        if len(drafter.meta.layers) != len(meta.layers):
+            raise DrafterError(
+                f"adapter checkpoint {src} was trained on a {len(meta.layers)}-layer "
+                f"{meta.init}, which now has {len(drafter.meta.layers)} layers"
+            )
+    else:
+        depth = len(_layer_stack(target))
+        if meta.target_layers and meta.target_layers != depth:
+            raise DrafterError(
+                f"adapter checkpoint {src} was trained on a {meta.target_layers}-layer target, "
+                f"this one has {depth}"
+            )
+        drafter = cls.from_target(target, list(meta.layers), meta.block_size, meta.base,
+                                  adapter=adapter)  # fmt: skip
     drafter.meta = dataclasses.replace(meta, draft_vocab=0)
     if meta.draft_vocab:
         drafter.set_draft_vocab(torch.arange(meta.draft_vocab))  # ids come with the state

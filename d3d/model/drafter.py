@@ -7,6 +7,9 @@ Design:
   through ``inputs_embeds``. By default it is built from the target itself (a chosen subset of its
   layers), sharing the target's embeddings and LM head, so a checkpoint stores only its own layers,
   final norm and mask embedding, plus a JSON file naming what it was built from.
+- Or it is initialised from *another* pretrained causal LM that shares the target's tokenizer
+  (:meth:`D3DDrafter.from_pretrained`, ``meta.init`` names it): any width and depth, so it has
+  its own embeddings and LM head (the same vocabulary; the target's cannot serve another width).
 - It reads token ids only, never the target's hidden states, so it can live on its own device.
 - A :class:`DraftSession` keeps the drafter's KV cache of *committed* tokens, encoded causally.
   To draft it appends ``[anchor, MASK x (B-1)]`` (anchor = the last committed token) at positions
@@ -18,13 +21,14 @@ Design:
   tokens it was trained to propose (the most frequent ones in the target's own responses), using
   those rows of the shared LM head. Its cost is B x H x V_d instead of B x H x V, and q is zero
   outside it, which both acceptance rules handle exactly (the target's residual covers the
-  rest). The checkpoint stores the V_d token ids; the head rows always come from the target.
+  rest). The checkpoint stores the V_d token ids; the head rows always come from the LM head.
 - Optional *gated adapters* (``meta.adapter``, :mod:`d3d.model.adapters`): the drafter's layers are the
-  target's own tensors, frozen and shared in memory, plus low-rank adapters that act only at the
-  mask slots. Ungated rows (prefix, pending tokens, anchors) never see mask slots, so they
-  compute exactly the target's layers; with all of the target's layers the anchor's draft is the
-  target's own next token. A checkpoint then stores only the adapters, the mask embedding and
-  the draft ids (a few MB), and :meth:`D3DDrafter.load` rebuilds the rest from the target.
+  target's own tensors (or the ``meta.init`` model's), frozen and shared in memory, plus
+  low-rank adapters that act only at the mask slots. Ungated rows (prefix, pending tokens,
+  anchors) never see mask slots, so they compute exactly the frozen layers; with all of the
+  target's layers the anchor's draft is the target's own next token. A checkpoint then stores
+  only the adapters, the mask embedding and the draft ids (a few MB), and
+  :meth:`D3DDrafter.load` rebuilds the rest from the target (or from ``meta.init``).
   :meth:`D3DDrafter.body` is the one place that knows: every forward goes through it.
 
 Letters: S cached length, B block size, K = B - 1 draft length, V vocab, V_d draft vocabulary,
@@ -82,6 +86,7 @@ class DrafterMeta:
     notes: dict = field(default_factory=dict)
     adapter: dict | None = None  # AdapterConfig.to_dict() of a gated-adapter drafter
     target_layers: int = 0  # depth of the model the layers come from (0: unknown)
+    init: str | None = None  # the pretrained model it was initialised from (None: the target)
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -186,6 +191,58 @@ class D3DDrafter(nn.Module):
         drafter.eval()
         return drafter
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        target: PreTrainedModel,
+        device: str | torch.device | None = None,
+        adapter: AdapterConfig | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> D3DDrafter:
+        """An (untrained) drafter initialised from a whole pretrained causal LM that shares the
+        target's tokenizer (a Hugging Face id or a folder; any width and depth), read straight to
+        the drafter's device in the target's dtype. It keeps its own embeddings and LM head,
+        which must have the target's vocabulary. With ``adapter`` its layers stay frozen and
+        gated adapters act at the mask slots; otherwise everything but the embeddings and head
+        trains (:meth:`trainable_parameters`). ``meta.init`` records ``model``."""
+        from d3d.model.skeleton import pretrained_lm
+
+        local = Path(model).expanduser()
+        model = str(local.resolve()) if local.exists() else model  # a folder: where it lies
+        dev = _resolve(device or target.device)
+        try:
+            lm = pretrained_lm(model, dev, target.dtype, target.config._attn_implementation)
+        except (OSError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DrafterError(
+                f"cannot load the drafter's initial model {model!r}: {first}"
+            ) from exc
+        if _vocab(lm) != _vocab(target):
+            raise DrafterError(
+                f"{model}: vocabulary {_vocab(lm)} differs from the target's {_vocab(target)}; "
+                "a drafter must share the target's tokenizer"
+            )
+        lm.requires_grad_(False)  # training turns on what it updates
+        depth = len(_layer_stack(lm))
+        adapters = None
+        if adapter is not None:
+            adapters = GatedAdapters(_layer_stack(lm), adapter).to(dev)
+            adapters.requires_grad_(False)
+        meta = DrafterMeta(
+            base=model,
+            layers=tuple(range(depth)),
+            block_size=block_size,
+            shared_embeddings=False,
+            vocab_size=_vocab(target),
+            adapter=adapter.to_dict() if adapter is not None else None,
+            target_layers=depth,
+            init=model,
+        )
+        drafter = cls(lm, meta, adapters=adapters)
+        drafter.eval()
+        return drafter
+
     def share_embeddings(self, target: PreTrainedModel) -> None:
         """Use the target's input embeddings and LM head (tied or not) as the drafter's own."""
         self.lm.set_input_embeddings(target.get_input_embeddings())
@@ -244,13 +301,16 @@ class D3DDrafter(nn.Module):
     def exact_prefix(self) -> bool:
         """True when the drafter's ungated rows compute the whole target (adapters over all of
         its layers, in order): the anchor's output is then the target's next-token logits."""
-        return self.adapters is not None and self.meta.layers == tuple(
-            range(self.meta.target_layers)
+        return (
+            self.adapters is not None
+            and self.meta.init is None
+            and self.meta.layers == tuple(range(self.meta.target_layers))
         )
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What training updates: adapters and mask embedding for an adapter drafter, else
-        everything but the target's shared embeddings / LM head."""
+        everything but the embeddings / LM head (the target's, shared; or a drafter's own,
+        vocabulary-sized, kept as pretrained)."""
         if self.adapters is not None:
             return [self.mask_embedding, *self.adapters.parameters()]
         shared = {id(p) for p in self.lm.get_input_embeddings().parameters()}

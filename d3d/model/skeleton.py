@@ -13,6 +13,9 @@ one tensor:
 - :func:`load_partial` — a target whose embeddings, LM head, final norm and *chosen* decoder
   layers are read from its safetensors files, tensor by tensor, straight to the device in the
   wanted dtype; the other layers stay on the meta device. A drafter process needs nothing else.
+- :func:`pretrained_lm` — a whole pretrained causal LM (a drafter initialised from another model
+  than its target), read by transformers straight to the drafter's device (its device map builds
+  the model on the meta device and fills it from the files).
 - :func:`finish` — the non-persistent buffers (rotary frequencies) a skeleton lacks, and the check
   that nothing needed is left on the meta device.
 
@@ -43,6 +46,17 @@ def meta_lm(config, dtype: torch.dtype, attn: str | None = None) -> PreTrainedMo
         kwargs["attn_implementation"] = attn
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def pretrained_lm(
+    spec: str, device: str | torch.device, dtype: torch.dtype, attn: str | None = None
+) -> PreTrainedModel:
+    """A pretrained causal LM (Hugging Face id or folder) on ``device`` in ``dtype``, never built
+    on the CPU first."""
+    kwargs: dict = {"dtype": dtype, "device_map": {"": str(device)}}
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    return AutoModelForCausalLM.from_pretrained(spec, **kwargs).eval()
 
 
 def finish(

@@ -47,8 +47,9 @@ def self_layers(spec: str) -> int | list[int] | None:
 
 def borrowed_layers(spec: str, target_spec: str, depth: int) -> tuple[int, ...]:
     """Indices of the target's decoder layers the drafter of ``spec`` is made of (besides the
-    embeddings and LM head every drafter reads): a ``self:`` spec's, an adapter checkpoint's;
-    none for a checkpoint that stores its own layers."""
+    embeddings and LM head every drafter reads): a ``self:`` spec's, an adapter checkpoint's
+    over the target; none for a checkpoint that stores its own layers or was initialised from
+    another model (``init``)."""
     spec = resolve_spec(spec, target_spec, depth)
     layers = self_layers(spec)
     if layers is not None:
@@ -60,4 +61,5 @@ def borrowed_layers(spec: str, target_spec: str, depth: int) -> tuple[int, ...]:
         meta = json.loads(meta_file.read_text())["meta"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise DrafterError(f"{meta_file} is unreadable: {exc}") from exc
-    return tuple(int(i) for i in meta["layers"]) if meta.get("adapter") else ()
+    own = meta.get("init") is not None or not meta.get("adapter")
+    return () if own else tuple(int(i) for i in meta["layers"])

@@ -2,14 +2,20 @@
 
 Thin wrappers: parse flags into the frozen configs of :mod:`d3d.training` and call it. Every
 command takes the shared model flags (``--target``, ``--threads``, ``--device``, ...); for
-``train`` ``--drafter`` names the initialisation (default ``self:8``: the target's first 8
-layers; ``lora:N[:RANK]`` its first N layers frozen with gated adapters; ``hf:ID`` a whole
-pretrained model with the target's tokenizer), for ``prune`` and ``accept`` the trained checkpoint.
+``train`` ``--init MODEL`` starts from another pretrained model with the target's tokenizer
+(:mod:`.init`), else ``--drafter`` names the start (default ``self:8``: the target's first 8
+layers; ``lora:N[:RANK]`` its first N layers frozen with gated adapters; a checkpoint to
+continue), for ``prune`` and ``accept`` the trained checkpoint.
+
+``train`` and ``data`` run under torchrun too (``torchrun --nproc_per_node N -m d3d train ...``):
+``train`` then trains one model data-parallel (:mod:`.parallel`), ``data`` writes one shard per
+process. Only rank 0 prints the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -22,21 +28,50 @@ from d3d.cli import add_model_args, model_config
 DEFAULT_INIT = "self:8"
 
 
-def _load(args: argparse.Namespace, drafter_spec: str | None):
-    """The target (and a drafter when ``drafter_spec``) on the configured device and threads."""
+def _load(
+    args: argparse.Namespace,
+    drafter_spec: str | None,
+    device: str | None = None,
+    adapter_rank: int = 0,
+):
+    """The target (and a drafter when ``drafter_spec``) on the configured device and threads
+    (``device``: both on this one, a torchrun rank's). A drafter initialised from another
+    model needs of its target only the vocabulary, the dtype and the tokenizer: the target's
+    layers are not read then (a 32B target is not loaded beside every rank's drafter)."""
     from d3d.engine import check_device
     from d3d.model.load import load_target
-    from d3d.training.train import init_drafter
+    from d3d.training.init import init_drafter, init_spec
 
     mcfg = model_config(args)
+    if device is not None:
+        mcfg = dataclasses.replace(mcfg, target_device=device, drafter_device=device)
     check_device(mcfg.target_device)
     if mcfg.threads:
         torch.set_num_threads(mcfg.threads)
-    target = load_target(mcfg.target, device=mcfg.target_device, dtype=mcfg.dtype)
-    drafter = (
-        init_drafter(drafter_spec, target, mcfg.resolved_drafter_device) if drafter_spec else None
-    )
+    if drafter_spec is not None and init_spec(drafter_spec) is not None:
+        target = _target_outline(mcfg)
+    else:
+        target = load_target(mcfg.target, device=mcfg.target_device, dtype=mcfg.dtype)
+    drafter = None
+    if drafter_spec:
+        drafter = init_drafter(drafter_spec, target, mcfg.resolved_drafter_device, adapter_rank)
     return target, drafter
+
+
+def _target_outline(mcfg):
+    """The target's embeddings, LM head, final norm and tokenizer; its layers stay unread."""
+    from transformers import AutoTokenizer
+
+    from d3d.model.load import LoadedModel, load_target_part, local_folder
+
+    part = load_target_part(mcfg.target, lambda depth: (), mcfg.target_device, mcfg.dtype)
+    folder = local_folder(mcfg.target)
+    has_tok = folder is not None and (folder / "tokenizer_config.json").is_file()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder if has_tok else mcfg.target)
+    except (OSError, ValueError):
+        tokenizer = None  # nothing to check the initial model's tokenizer against
+    return LoadedModel(part.model, tokenizer, mcfg.target)
 
 
 def _records(args: argparse.Namespace):
@@ -67,35 +102,43 @@ def _train_config(args: argparse.Namespace, steps: int, save_every: int):
         val_stride=args.val_stride,
         save_every=save_every,
         seed=args.seed,
+        grad_checkpointing=getattr(args, "grad_checkpointing", False),
+        parallel=getattr(args, "parallel", "ddp"),
+        keep_every=getattr(args, "keep_every", 0),
     )
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from d3d.training.data import (
-        DEFAULT_MIX,
-        DataConfig,
-        generate_data,
-        prompt_mix,
-        write_heldout_prompts,
-    )
+    from d3d.engine import Engine
+    from d3d.training import contamination
+    from d3d.training.data import write_heldout_prompts
+    from d3d.training.parallel import from_env
+    from d3d.training.responses import DataConfig, Shard, generate_data
+    from d3d.training.sources import DEFAULT_MIX, prompt_mix
 
-    cfg = DataConfig(
-        sources=tuple(args.sources or DEFAULT_MIX),
-        heldout_fraction=args.heldout_fraction,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        topk=args.keep_topk,
-    )
     if args.text_source:
         return _text_data(args)
-    prompts = prompt_mix(cfg.sources)
-    target, _ = _load(args, None)
-    t0 = time.perf_counter()
-    n = generate_data(target, prompts, args.out, cfg)
-    report = {"out": args.out, "written": n, "seconds": round(time.perf_counter() - t0)}
-    if args.heldout_prompts:
-        report["heldout_prompts"] = write_heldout_prompts(args.out, args.heldout_prompts)
-    print(json.dumps(report))
+    cfg = DataConfig(
+        heldout_fraction=args.heldout_fraction,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        batch_size=args.batch_size,
+        topk=args.keep_topk,
+        allow_eval=args.allow_eval_sources,
+    )
+    sources = [*(args.sources or []), *(f"jsonl:{p}" for p in args.prompts or [])]
+    prompts = prompt_mix(sources or DEFAULT_MIX)
+    shard, rank = Shard.parse(args.shard), from_env()
+    mcfg = model_config(args)
+    if rank.enabled and mcfg.target_device.startswith("cuda"):  # torchrun: a shard per GPU
+        mcfg = dataclasses.replace(mcfg, target_device=f"cuda:{rank.local_rank}")
+    engine = Engine.from_config(mcfg, with_drafter=False)
+    report = generate_data(engine, prompts, args.out, cfg, shard, contamination.default_index(),
+                           progress=not args.quiet)  # fmt: skip
+    out = report.to_dict()
+    if args.heldout_prompts and shard.count == 1:
+        out["heldout_prompts"] = write_heldout_prompts(args.out, args.heldout_prompts)
+    print(json.dumps(out))
     return 0
 
 
@@ -106,44 +149,68 @@ def _text_data(args: argparse.Namespace) -> int:
     name, _, limit = args.text_source.partition("@")
     if name != "sharegpt":
         raise ValueError(f"unknown text source {name!r}: use sharegpt[@N]")
+    from d3d.training import contamination
+
     tokenizer = _load(args, None)[0].tokenizer
     t0 = time.perf_counter()
-    n = write_text_records(tokenizer, sharegpt_items(int(limit) if limit else None), args.out,
-                           max_reply_tokens=args.max_new_tokens,
+    items = sharegpt_items(int(limit) if limit else None)
+    if not args.allow_eval_sources:  # the eval-set guard, as for generated records
+        index = contamination.default_index()
+        items = [it for it in items if index.match(it[2]) is None]
+    n = write_text_records(tokenizer, items, args.out, max_reply_tokens=args.max_new_tokens,
                            heldout_fraction=args.heldout_fraction)  # fmt: skip
     print(json.dumps({"out": args.out, "written": n, "seconds": round(time.perf_counter() - t0)}))
     return 0
 
 
+def _init_spec(args: argparse.Namespace) -> str:
+    if args.init and args.drafter:
+        raise ValueError("train: give --init MODEL or --drafter SPEC, not both")
+    return f"init:{args.init}" if args.init else (args.drafter or DEFAULT_INIT)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from d3d.training import parallel
     from d3d.training.train import train
 
     cfg = _train_config(args, args.steps, args.save_every)
     train_recs, val_recs = _records(args)
-    target, drafter = _load(args, args.drafter or DEFAULT_INIT)
-    if args.draft_vocab is not None:
-        from d3d.training.data import draft_vocabulary
+    rank, device = parallel.start(model_config(args).target_device)
+    try:
+        target, drafter = _load(args, _init_spec(args), device if rank.enabled else None,
+                                args.adapter_rank)  # fmt: skip
+        if args.draft_vocab is not None:
+            from d3d.training.data import draft_vocabulary
 
-        ids = None
-        if args.draft_vocab > 0:
-            ids = draft_vocabulary(train_recs, args.draft_vocab, target.eos_token_ids)
-        drafter.set_draft_vocab(ids)
-    result = train(drafter, train_recs, cfg, args.out, val_recs, resume=not args.no_resume)
-    report = {
-        "out": str(Path(args.out) / "final"),
-        "steps": result.steps,
-        "loss": None if math.isnan(result.loss) else round(result.loss, 4),  # no step run
-        "val": result.val,
-        "seconds": round(result.seconds),
-    }
-    if args.export:
-        from d3d.training.train import save_compact
+            ids = None
+            if args.draft_vocab > 0:
+                ids = draft_vocabulary(train_recs, args.draft_vocab, target.eos_token_ids)
+            drafter.set_draft_vocab(ids)
+        result = train(drafter, train_recs, cfg, args.out, val_recs, resume=not args.no_resume,
+                       progress=not args.quiet, dist=rank)  # fmt: skip
+        if not rank.main:
+            return 0
+        final = Path(args.out) / "final"
+        report = {
+            "out": str(final),
+            "steps": result.steps,
+            "loss": None if math.isnan(result.loss) else round(result.loss, 4),  # no step run
+            "val": result.val,
+            "seconds": round(result.seconds),
+            "world": rank.world,
+        }
+        if args.export:
+            from d3d.model.drafter import D3DDrafter
+            from d3d.training.train import save_compact
 
-        report["export"] = str(
-            save_compact(drafter, args.export, getattr(torch, args.export_dtype))
-        )
-    print(json.dumps(report))
-    return 0
+            # From the saved final checkpoint: a sharded run's drafter holds only its shards.
+            done = D3DDrafter.load(final, target.model, device="cpu")
+            dtype = getattr(torch, args.export_dtype)
+            report["export"] = str(save_compact(done, args.export, dtype))
+        print(json.dumps(report))
+        return 0
+    finally:
+        parallel.stop()
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -238,10 +305,32 @@ def _export_flags(p: argparse.ArgumentParser, what: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="generate the target's own responses as training data")
     p.add_argument("--out", required=True, help="jsonl file (appended to; reruns resume)")
-    p.add_argument("--sources", nargs="+", default=None, help="prompt sources, e.g. gsm8k@300")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=None,
+        help="prompt file(s): jsonl with 'prompt' or chat 'messages' (optional 'id', 'source'), "
+        "or one prompt per line",
+    )
+    p.add_argument("--sources", nargs="+", default=None, help="prompt sources, e.g. general@300")
     p.add_argument("--heldout-fraction", type=float, default=0.08)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="requests decoding at once (continuous batching)"
+    )
+    p.add_argument(
+        "--shard",
+        default=None,
+        help="i/n: generate shard i of n (its own file, OUT.shard-i-of-n.jsonl); under torchrun "
+        "each rank takes its own shard",
+    )
+    p.add_argument(
+        "--allow-eval-sources",
+        action="store_true",
+        help="also answer prompts from or found in an evaluation set (labelled eval_set)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--heldout-prompts", default=None, help="also write the held-out prompts here")
     p.add_argument("--keep-topk", type=int, default=0,
                    help="also store the target's top-k log-probs per response token")  # fmt: skip
@@ -265,6 +354,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="restrict drafting to the N tokens most frequent in the training responses "
         "(0: whole vocabulary; default: keep the initial drafter's; a resumed run keeps its own)",
     )
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start from this pretrained causal LM (HF id or folder) with the target's tokenizer, "
+        "any width and depth (instead of --drafter)",
+    )
+    p.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=0,
+        help="with --init: train gated adapters of this rank on its frozen layers (0: train it "
+        "in full, the default)",
+    )
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"],
+                   help="under torchrun: ddp, or fsdp (layers sharded: drafters that do not fit "
+                   "one GPU)")  # fmt: skip
+    p.add_argument(
+        "--grad-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass (long windows, big drafters)",
+    )
+    p.add_argument("--keep-every", type=int, default=0, help="also keep OUT/step_K every K steps")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     _export_flags(p, "the trained drafter")
     _train_flags(p, steps=300)
     add_model_args(p)

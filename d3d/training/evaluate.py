@@ -19,6 +19,7 @@ from tqdm import tqdm
 from d3d.config import DecodeConfig
 from d3d.engine import Engine
 from d3d.model.specs import DEFAULT_DRAFTER_DIR
+from d3d.training.data import data_files
 
 log = logging.getLogger(__name__)
 
@@ -27,25 +28,26 @@ HELDOUT_PROMPTS = DEFAULT_DRAFTER_DIR / "heldout_prompts.jsonl"
 
 def read_prompts(path: str | Path | None = None, limit: int | None = None) -> list[str]:
     """Prompts from a jsonl file with a ``prompt`` field (rows of a ``d3d data`` file work, and
-    only their held-out split is used) or from a file with one prompt per line."""
-    p = Path(path) if path is not None else HELDOUT_PROMPTS
-    if not p.is_file():
-        raise FileNotFoundError(f"prompt file not found: {p}")
+    only their held-out split is used; a data path stands for its shards too) or from a file
+    with one prompt per line."""
+    files = data_files(path if path is not None else HELDOUT_PROMPTS)
+    if not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"prompt file not found: {files[0]}")
     prompts = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
+    for f in files:
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
+            if not line.strip():
+                continue
+            if not line.lstrip().startswith("{"):
+                prompts.append(line)
+                continue
             row = json.loads(line)
             if "prompt" not in row:
-                raise ValueError(f"{p}:{i + 1}: jsonl prompt rows need a 'prompt' field")
-            if row.get("split", "heldout") != "heldout":
-                continue
-            prompts.append(row["prompt"])
-        else:
-            prompts.append(line)
+                raise ValueError(f"{f}:{i + 1}: jsonl prompt rows need a 'prompt' field")
+            if row.get("split", "heldout") == "heldout":
+                prompts.append(row["prompt"])
     if not prompts:
-        raise ValueError(f"{p} holds no prompts")
+        raise ValueError(f"{files[0]} holds no prompts")
     return prompts[:limit] if limit else prompts
 
 

@@ -28,10 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from d3d.model.drafter import D3DDrafter, DrafterMeta
 from d3d.model.hf import trim_cache, with_cache
+from d3d.model.skeleton import finish, meta_lm
 from d3d.training.accept import offline_acceptance
 from d3d.training.train import TrainConfig, train
 
@@ -74,8 +75,10 @@ class Stage:
 
 
 def drop_layers(drafter: D3DDrafter, keep: Sequence[int]) -> D3DDrafter:
-    """A copy of ``drafter`` with only the layers at positions ``keep`` (shared tensors stay
-    shared). ``meta.layers`` keeps naming the target layers each one came from."""
+    """A copy of ``drafter`` with only the layers at positions ``keep`` (embeddings and LM head
+    shared with it, whether they are the target's or the drafter's own; the kept layers copied;
+    nothing vocabulary-sized built). ``meta.layers`` keeps naming the layers of the model they
+    came from (the target's, or the ``--init`` model's)."""
     keep = list(keep)
     src = drafter.lm.model.layers
     if not keep or any(i < 0 or i >= len(src) for i in keep):
@@ -85,16 +88,20 @@ def drop_layers(drafter: D3DDrafter, keep: Sequence[int]) -> D3DDrafter:
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = [cfg.layer_types[i] for i in keep]
     emb = drafter.lm.get_input_embeddings().weight
-    lm = AutoModelForCausalLM.from_config(
-        cfg, dtype=emb.dtype, attn_implementation=cfg._attn_implementation
-    )
+    lm = meta_lm(cfg, emb.dtype, cfg._attn_implementation)
+
+    def copied(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
     for j, i in enumerate(keep):
-        lm.model.layers[j].load_state_dict(src[i].state_dict())
-    lm.model.norm.load_state_dict(drafter.lm.model.norm.state_dict())
+        lm.model.layers[j].load_state_dict(copied(src[i]), assign=True)
+    lm.model.norm.load_state_dict(copied(drafter.lm.model.norm), assign=True)
+    lm.set_input_embeddings(drafter.lm.get_input_embeddings())
+    lm.set_output_embeddings(drafter.lm.get_output_embeddings())
+    finish(lm, emb.device, rotary=drafter.lm.model.rotary_emb)
     meta_d = asdict(drafter.meta)
     meta_d["layers"] = tuple(drafter.meta.layers[i] for i in keep)
     out = D3DDrafter(lm, DrafterMeta(**meta_d), drafter.mask_embedding.detach().clone())
-    out.share_embeddings(drafter.lm)
     if drafter.draft_ids is not None:
         out.set_draft_vocab(drafter.draft_ids)
     out.to(drafter.device)

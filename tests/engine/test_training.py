@@ -174,7 +174,7 @@ def test_resume_continues_to_the_same_weights(target, tmp_path):
 
 
 def test_read_log_counts_a_repeated_step_once(tmp_path):
-    from d3d.training.train import read_log
+    from d3d.training.curves import read_log
 
     lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "val_acceptance_length": 1.2},
              {"step": 2, "loss": 3.5}, {"step": 3, "loss": 3.0}]  # fmt: skip
@@ -217,8 +217,10 @@ def test_drafter_eval_report_is_lossless_and_complete(target):
 
 
 def test_init_from_a_whole_pretrained_model(target, tmp_path):
+    from d3d.model.drafter import DrafterError
     from d3d.model.load import LoadedModel
-    from d3d.training.train import init_drafter, trainable
+    from d3d.training.init import init_drafter
+    from d3d.training.train import trainable
 
     small = tiny(layers=2)
     small.save_pretrained(tmp_path / "small")
@@ -234,7 +236,7 @@ def test_init_from_a_whole_pretrained_model(target, tmp_path):
     wrong = tiny(layers=1)
     wrong.resize_token_embeddings(V + 8)
     wrong.save_pretrained(tmp_path / "wrong")
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(DrafterError, match="vocabulary"):
         init_drafter(f"hf:{tmp_path / 'wrong'}", LoadedModel(target, None, "tiny"))
 
 

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from d3d.model.drafter import D3DDrafter
-from d3d.training.data import SHARED_DATA, load_source, read_many, training_guard
+from d3d.training.data import read_many, training_guard
+from d3d.training.sources import SHARED_DATA, load_source
 from d3d.training.teacher import (
     first_exchange,
     sharegpt_conversations,
@@ -128,9 +129,11 @@ def test_train_command_with_an_adapter_drafter(tmp_path, capsys):
 
 
 def test_generated_data_keeps_the_targets_top_k_and_pack_aligns_it(tmp_path):
+    from d3d.engine import Engine
     from d3d.model.load import LoadedModel
-    from d3d.training.data import DataConfig, Prompt, generate_data
     from d3d.training.objectives import pack
+    from d3d.training.responses import DataConfig, generate_data
+    from d3d.training.sources import Prompt
     from tests.engine.test_training import CharTokenizer
 
     class Tok(CharTokenizer):
@@ -139,9 +142,9 @@ def test_generated_data_keeps_the_targets_top_k_and_pack_aligns_it(tmp_path):
     model = tiny_model("llama", seed=4, scale=3.0)
     target = LoadedModel(model, Tok(), "tiny")
     out = tmp_path / "d.jsonl"
-    cfg = DataConfig(sources=("x",), max_new_tokens=12, batch_size=2, topk=3)
+    cfg = DataConfig(max_new_tokens=12, batch_size=2, topk=3)
     prompts = [Prompt("a", "t", "hello"), Prompt("b", "t", "hi there")]
-    assert generate_data(target, prompts, out, cfg) == 2
+    assert generate_data(Engine(target), prompts, out, cfg, progress=False).written == 2
     for rec in read_many(out):
         resp, ids, logp = rec["response_ids"], rec["topk_ids"], rec["topk_logprobs"]
         assert len(ids) == len(resp) and len(ids[0]) == 3
