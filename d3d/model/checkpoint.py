@@ -17,26 +17,27 @@ import dataclasses
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
 from d3d.model.adapters import AdapterConfig
-from d3d.model.drafter import (
+from d3d.model.meta import (
     META_FILE,
     SHARED_KEYS,
     WEIGHTS_FILE,
     DrafterError,
     DrafterMeta,
-    _layer_stack,
-    _vocab,
+    layer_stack,
+    vocab_rows,
 )
 from d3d.model.skeleton import finish, meta_lm
 
-if TYPE_CHECKING:
-    from d3d.model.drafter import D3DDrafter
+# The drafter class is handed in (``cls``): this module describes checkpoints without
+# importing the drafter, which imports this module to save and load itself.
+D3DDrafter = nn.Module
 
 
 def save_drafter(
@@ -92,9 +93,9 @@ def load_drafter(
         cfg_d = dict(doc["lm_config"])
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise DrafterError(f"{src / META_FILE} is unreadable: {exc}") from exc
-    if meta.vocab_size and meta.vocab_size != _vocab(target):
+    if meta.vocab_size and meta.vocab_size != vocab_rows(target):
         raise DrafterError(
-            f"drafter vocabulary ({meta.vocab_size}) does not match the target's ({_vocab(target)})"
+            f"drafter vocabulary ({meta.vocab_size}) does not match the target's ({vocab_rows(target)})"
         )
     if meta.adapter is not None:
         return _load_adapter(cls, src, meta, target, device)
@@ -143,7 +144,7 @@ def _load_adapter(
                 f"{meta.init}, which now has {len(drafter.meta.layers)} layers"
             )
     else:
-        depth = len(_layer_stack(target))
+        depth = len(layer_stack(target))
         if meta.target_layers and meta.target_layers != depth:
             raise DrafterError(
                 f"adapter checkpoint {src} was trained on a {meta.target_layers}-layer target, "

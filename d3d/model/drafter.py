@@ -42,7 +42,6 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,56 +53,33 @@ from d3d.config import DEFAULT_BLOCK_SIZE, SamplingConfig
 from d3d.model import masks
 from d3d.model.adapters import AdapterConfig, GatedAdapters, hide_gated_keys
 from d3d.model.hf import cache_length, trim_cache, with_cache
+from d3d.model.meta import (
+    DRAFT_IDS_KEY,
+    META_FILE,
+    SHARED_KEYS,
+    WEIGHTS_FILE,
+    DrafterError,
+    DrafterMeta,
+    layer_stack,
+    vocab_rows,
+)
 from d3d.model.session import Draft, DraftSession
 from d3d.model.skeleton import layers_lm
 
-__all__ = ["D3DDrafter", "Draft", "DraftSession", "DrafterError", "DrafterMeta"]
+__all__ = [  # the checkpoint names come from d3d.model.meta; importers may take them here
+    "META_FILE",
+    "SHARED_KEYS",
+    "WEIGHTS_FILE",
+    "D3DDrafter",
+    "Draft",
+    "DraftSession",
+    "DrafterError",
+    "DrafterMeta",
+]
 
 log = logging.getLogger(__name__)
 
-META_FILE = "drafter.json"
-WEIGHTS_FILE = "drafter.safetensors"
-# State-dict keys of the tensors a drafter borrows from its target (embeddings, LM head).
-SHARED_KEYS = ("lm.model.embed_tokens.", "lm.lm_head.")
-DRAFT_IDS_KEY = "draft_ids"
 IGNORE_LABEL = -100
-
-
-class DrafterError(RuntimeError):
-    """A drafter cannot be built or loaded; the message says why."""
-
-
-@dataclass(frozen=True)
-class DrafterMeta:
-    """What a drafter checkpoint was built from."""
-
-    base: str
-    layers: tuple[int, ...]
-    block_size: int = DEFAULT_BLOCK_SIZE
-    shared_embeddings: bool = True
-    vocab_size: int = 0
-    draft_vocab: int = 0  # 0: the whole vocabulary
-    notes: dict = field(default_factory=dict)
-    adapter: dict | None = None  # AdapterConfig.to_dict() of a gated-adapter drafter
-    target_layers: int = 0  # depth of the model the layers come from (0: unknown)
-    init: str | None = None  # the pretrained model it was initialised from (None: the target)
-
-    def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise DrafterError(f"block_size must be >= 2, got {self.block_size}")
-        if not self.layers:
-            raise DrafterError("a drafter needs at least one layer")
-
-
-def _layer_stack(lm: PreTrainedModel) -> nn.ModuleList:
-    base = getattr(lm, "model", None)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise DrafterError(
-            f"{type(lm).__name__} has no model.layers: only decoder-only LMs in the Llama/Qwen "
-            "layout can be turned into a drafter"
-        )
-    return layers
 
 
 def _sub_config(config, n_layers: int, layers: Sequence[int] | None = None):
@@ -164,7 +140,7 @@ class D3DDrafter(nn.Module):
         adapters if any (see the module docstring); otherwise they are copies made straight on
         the drafter's device, trained in full. Nothing vocabulary-sized is built here: the LM
         is a meta-device skeleton filled by :func:`d3d.model.skeleton.layers_lm`."""
-        src_layers = _layer_stack(target)
+        src_layers = layer_stack(target)
         idx = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
         if not idx or any(i < 0 or i >= len(src_layers) for i in idx):
             raise DrafterError(f"layers must be indices in [0, {len(src_layers)}), got {idx}")
@@ -175,13 +151,13 @@ class D3DDrafter(nn.Module):
         else:
             lm = layers_lm(target, idx, cfg, copy_to=_resolve(device or target.device))
         if adapter is not None:
-            adapters = GatedAdapters(_layer_stack(lm), adapter).to(target.device)
+            adapters = GatedAdapters(layer_stack(lm), adapter).to(target.device)
             adapters.requires_grad_(False)  # training turns on what it updates
         meta = DrafterMeta(
             base=base,
             layers=tuple(idx),
             block_size=block_size,
-            vocab_size=_vocab(target),
+            vocab_size=vocab_rows(target),
             adapter=adapter.to_dict() if adapter is not None else None,
             target_layers=len(src_layers),
         )
@@ -218,23 +194,23 @@ class D3DDrafter(nn.Module):
             raise DrafterError(
                 f"cannot load the drafter's initial model {model!r}: {first}"
             ) from exc
-        if _vocab(lm) != _vocab(target):
+        if vocab_rows(lm) != vocab_rows(target):
             raise DrafterError(
-                f"{model}: vocabulary {_vocab(lm)} differs from the target's {_vocab(target)}; "
+                f"{model}: vocabulary {vocab_rows(lm)} differs from the target's {vocab_rows(target)}; "
                 "a drafter must share the target's tokenizer"
             )
         lm.requires_grad_(False)  # training turns on what it updates
-        depth = len(_layer_stack(lm))
+        depth = len(layer_stack(lm))
         adapters = None
         if adapter is not None:
-            adapters = GatedAdapters(_layer_stack(lm), adapter).to(dev)
+            adapters = GatedAdapters(layer_stack(lm), adapter).to(dev)
             adapters.requires_grad_(False)
         meta = DrafterMeta(
             base=model,
             layers=tuple(range(depth)),
             block_size=block_size,
             shared_embeddings=False,
-            vocab_size=_vocab(target),
+            vocab_size=vocab_rows(target),
             adapter=adapter.to_dict() if adapter is not None else None,
             target_layers=depth,
             init=model,
@@ -489,7 +465,3 @@ def _resolve(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-def _vocab(model: PreTrainedModel) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])

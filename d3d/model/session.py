@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -19,8 +19,17 @@ from d3d.config import SamplingConfig
 from d3d.decoding.sampling import probabilities
 from d3d.model.hf import trim_cache
 
-if TYPE_CHECKING:
-    from d3d.model.drafter import D3DDrafter
+
+class BlockDrafter(Protocol):
+    """What a session needs of its drafter (:class:`d3d.model.drafter.D3DDrafter`)."""
+
+    def block_scores(
+        self, anchor: int, cache: DynamicCache, pending: Sequence[int] = ()
+    ) -> torch.Tensor: ...
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 def rewind(
@@ -61,7 +70,7 @@ class DraftSession:
 
     def __init__(
         self,
-        drafter: D3DDrafter,
+        drafter: BlockDrafter,
         sampling: SamplingConfig | None = None,
         generator: torch.Generator | None = None,
     ):

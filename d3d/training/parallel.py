@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d3d.model.drafter import D3DDrafter, _layer_stack
+from d3d.model.drafter import D3DDrafter
+from d3d.model.meta import layer_stack
 from d3d.training.objectives import LossConfig, LossParts, Packed, drafter_loss
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class Replicas:
                 )
             from torch.distributed.fsdp import fully_shard
 
-            self.sharded = list(_layer_stack(drafter.lm))
+            self.sharded = list(layer_stack(drafter.lm))
             for layer in self.sharded:
                 fully_shard(layer)
         self.params = drafter.trainable_parameters()  # after sharding: the sharded ones
