@@ -301,16 +301,7 @@ class Engine:
         ``shared_prefix``: how many first prompt tokens other requests share (their KV is kept
         in :attr:`prefix_cache`). Raises ValueError at once for a request that cannot run.
         """
-        req = GenRequest(
-            list(prompt_ids),
-            cfg.max_new_tokens,
-            cfg.sampling,
-            cfg.mode,
-            shared_prefix=shared_prefix,
-            draft_prompt_ids=None if draft_prompt_ids is None else list(draft_prompt_ids),
-            copy=cfg.copy,
-            stats=stats if stats is not None else DecodeStats(mode=cfg.mode),
-        )
+        req = GenRequest.of(prompt_ids, cfg, stats, draft_prompt_ids, shared_prefix)
         sched = self.scheduler()
         sched.check(req)
         return stream(sched, req)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from d3d.config import SamplingConfig
+from d3d.config import DecodeConfig, SamplingConfig
 from d3d.decoding.proposers import Proposal, Proposer
 from d3d.decoding.stats import DecodeStats
 from d3d.engine.kv import KvRow
@@ -54,6 +54,29 @@ class GenRequest:
     on_finish: Callable[[DecodeStats, BaseException | None], None] = _noop_finish
     id: int = field(default_factory=lambda: next(_ids))
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        prompt_ids: Sequence[int],
+        cfg: DecodeConfig,
+        stats: DecodeStats | None = None,
+        draft_prompt_ids: Sequence[int] | None = None,
+        shared_prefix: int = 0,
+        mode: str | None = None,
+    ) -> GenRequest:
+        """A request from one call's decode settings (``mode``: instead of ``cfg.mode``)."""
+        mode = mode or cfg.mode
+        return cls(
+            list(prompt_ids),
+            cfg.max_new_tokens,
+            cfg.sampling,
+            mode,
+            shared_prefix=shared_prefix,
+            draft_prompt_ids=None if draft_prompt_ids is None else list(draft_prompt_ids),
+            copy=cfg.copy,
+            stats=stats if stats is not None else DecodeStats(mode=mode),
+        )
 
     def cancel(self) -> None:
         self._cancel.set()

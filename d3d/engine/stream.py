@@ -72,14 +72,5 @@ def decode(
         prefix_cache=prefix_cache,
         window=window,
     )
-    req = GenRequest(
-        list(prompt_ids),
-        cfg.max_new_tokens,
-        cfg.sampling,
-        proposer.name,
-        shared_prefix=shared_prefix,
-        draft_prompt_ids=None if draft_prompt_ids is None else list(draft_prompt_ids),
-        copy=cfg.copy,
-        stats=stats if stats is not None else DecodeStats(mode=proposer.name),
-    )
+    req = GenRequest.of(prompt_ids, cfg, stats, draft_prompt_ids, shared_prefix, mode=proposer.name)
     return stream(scheduler, req)
