@@ -1,0 +1,383 @@
+"""The GPU check's service run: the engine serving concurrent requests, one decoding mode at a time.
+
+:func:`run_service` puts an already built target (random weights are fine: only shapes and
+kernels are measured) behind the library's :class:`~d3d.engine.Engine`, with its drafter built
+the engine's own way (:func:`~d3d.engine.build_drafter`, e.g. ``self:5``: the target's first
+five layers, sharing their tensors), and sends ``requests`` concurrent requests through the
+engine's one scheduler (``engine.scheduler(max_batch=requests)``), stepping ``sched.step()``
+until it is idle. The KV budget is exactly ``requests`` reservations, so every row joins at
+once. Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts in its own stage:
+
+- aggregate throughput (generated tokens over the stage's wall time, prompts included) and the
+  decode-only rate (tokens over the steps that read no prompt), and the ratio to ``ar``;
+- steps, and per decode step its time and its verify forward's time (the scheduler's
+  ``last_verify_s``), with the forward's width (tokens per step);
+- the requests' speculation figures (vLLM names: drafts, draft tokens, accepted tokens,
+  acceptance length; the asynchronous pipeline's hits, misses and worker failures);
+- whether each request's tokens equal its ``ar`` tokens (greedy is lossless; in bf16 on a GPU a
+  forward of another width may flip a near tie, so there it is reported, not asserted);
+- the peak memory per device (``torch.cuda.max_memory_allocated``; None on a CPU), beside
+  what ``d3d plan`` predicts for the same shapes (:mod:`d3d.tools.plan`).
+
+EOS is switched off by the caller's config, so every request runs to its budget and the token
+counts of the modes are equal. Timings come from the engine's own clock, which synchronises the
+devices (:class:`~d3d.decoding.clock.Clock`). A stage that passes its time limit cancels its
+requests and is reported with ``timed_out`` and what it did until then; a stage that fails is
+reported with its error, and the next stage still runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from d3d.config import DEFAULT_BLOCK_SIZE, MODES, ModelConfig
+from d3d.decoding.clock import Clock
+from d3d.decoding.stats import DecodeStats
+from d3d.engine import Engine, GenRequest, PrefillBudget, build_drafter, check_device
+from d3d.model.load import LoadedModel
+from d3d.tools.plan import PlanSettings, make_plan
+from d3d.worker import ServerConfig
+
+
+class ServiceError(ValueError):
+    """The service run's settings cannot work; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """One service run: ``requests`` prompts of ``prompt_tokens`` random ids, ``new_tokens``
+    each, decoded in each of ``modes`` (a stage of at most ``stage_seconds``)."""
+
+    requests: int = 16
+    prompt_tokens: int = 512
+    new_tokens: int = 128
+    modes: tuple[str, ...] = ("ar", "sync", "async")
+    drafter: str = "self:5"
+    drafter_device: str | None = None  # None: the target's device
+    stage_seconds: float = 90.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "prompt_tokens", "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ServiceError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        bad = [m for m in self.modes if m not in MODES]
+        if not self.modes or bad:
+            raise ServiceError(f"modes: each must be one of {', '.join(MODES)}, got {bad or '()'}")
+        if self.stage_seconds <= 0:
+            raise ServiceError(f"stage_seconds: must be > 0, got {self.stage_seconds}")
+
+    @property
+    def needs_drafter(self) -> bool:
+        return any(m != "ar" for m in self.modes)
+
+
+def _cuda_devices(engine: Engine) -> list[torch.device]:
+    return list(engine.clock.cuda)
+
+
+def _peaks(engine: Engine) -> dict[str, int] | None:
+    devs = _cuda_devices(engine)
+    return {str(d): int(torch.cuda.max_memory_allocated(d)) for d in devs} if devs else None
+
+
+def _reset_peaks(engine: Engine) -> None:
+    gc.collect()
+    for d in _cuda_devices(engine):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(d)
+
+
+def _spread(values: list[float], digits: int = 3) -> dict | None:
+    """Median, 90th percentile, min and max of ``values`` (None when empty)."""
+    if not values:
+        return None
+    v = sorted(values)
+    p90 = v[min(len(v) - 1, int(0.9 * len(v)))]
+    return {
+        k: round(x, digits)
+        for k, x in (("median", statistics.median(v)), ("p90", p90), ("min", v[0]), ("max", v[-1]))
+    }
+
+
+def build_engine(model, name: str, s: ServiceSettings) -> Engine:
+    """The engine over ``model`` with ``s.drafter`` built its own way; a KV budget of exactly
+    ``s.requests`` reservations (every row admitted at once) and no prefix cache."""
+    target = LoadedModel(model, None, name)
+    device = str(target.device)
+    drafter_device = s.drafter_device or device
+    check_device(drafter_device)
+    drafter = (
+        build_drafter(s.drafter, target, drafter_device, share_layers=True)
+        if s.needs_drafter
+        else None
+    )
+    block = drafter.block_size if drafter is not None else DEFAULT_BLOCK_SIZE
+    cfg = ModelConfig(
+        target=name,
+        drafter=s.drafter,
+        target_device=device,
+        drafter_device=drafter_device,  # a thread worker beside the target, on this device
+        pack=False,
+        max_kv_tokens=s.requests * (s.prompt_tokens + s.new_tokens + block),
+        prefix_cache="0",
+    )
+    engine = Engine(target, drafter, cfg)
+    engine.scheduler(max_batch=s.requests)  # built now: max_batch only counts on first use
+    return engine
+
+
+def predict_memory(name: str, config: dict, s: ServiceSettings, engine: Engine) -> dict:
+    """``d3d plan``'s bytes per device for the run's shapes: batch = requests, a sequence's KV =
+    one reservation, prefill chunks of the scheduler's largest, the worker's most branches."""
+    device = str(engine.target.device)
+    dtype = str(engine.target.model.dtype).removeprefix("torch.")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{name}.json"
+        path.write_text(json.dumps(config))
+        settings = PlanSettings(
+            target=str(path),
+            drafter=s.drafter,
+            dtype=dtype,
+            batch=s.requests,
+            max_kv_tokens=s.prompt_tokens + s.new_tokens + engine.block_size,
+            prefill_chunk=PrefillBudget().max_chunk,
+            branches=ServerConfig().max_branches,
+            block_size=engine.block_size,
+            rows=1,  # the worker drafts each row's branches in a forward of their own
+            device=device,
+            drafter_device=s.drafter_device or device,
+        )
+        plan = make_plan(settings)
+    return {
+        "settings": asdict(settings) | {"target": path.name},
+        "devices": plan.to_dict()["devices"],
+    }
+
+
+@dataclass
+class _Request:
+    """One request's tokens and end, as the engine's callbacks report them."""
+
+    clock: Clock
+    tokens: list[int] = field(default_factory=list)
+    first_at: float | None = None
+    stats: DecodeStats | None = None
+    error: BaseException | None = None
+
+    def on_tokens(self, tokens: list[int]) -> None:
+        if self.first_at is None:
+            self.first_at = self.clock.now()
+        self.tokens += tokens
+
+    def on_finish(self, stats: DecodeStats, error: BaseException | None) -> None:
+        self.stats, self.error = stats, error
+
+
+@dataclass(frozen=True)
+class _Step:
+    seconds: float
+    verify_s: float | None  # the scheduler's last_verify_s: None when the step read a prompt
+    tokens: int  # emitted by the step
+    rows: int  # running when it began
+
+
+@dataclass
+class ModeRun:
+    """What one mode's stage did: its steps and its requests (:meth:`summary` for the JSON)."""
+
+    mode: str
+    requests: list[_Request]
+    steps: list[_Step]
+    wall_s: float
+    t0: float
+    timed_out: bool
+    peaks: dict[str, int] | None
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [r.tokens for r in self.requests]
+
+    def summary(self) -> dict:
+        stats = [r.stats for r in self.requests if r.stats is not None]
+        errors = sorted({f"{type(r.error).__name__}: {r.error}" for r in self.requests if r.error})
+        tokens = sum(len(r.tokens) for r in self.requests)
+        decode = [s for s in self.steps if s.verify_s is not None]
+        decode_s = sum(s.seconds for s in decode)
+        drafts = sum(st.num_drafts for st in stats)
+        accepted = sum(st.num_accepted_tokens for st in stats)
+        reasons: dict[str, int] = {}
+        for st in stats:
+            reasons[st.stop_reason] = reasons.get(st.stop_reason, 0) + 1
+        return {
+            "mode": self.mode,
+            "requests": len(self.requests),
+            "finished": sum(st.stop_reason in ("length", "eos") for st in stats),
+            "timed_out": self.timed_out,
+            "errors": errors,
+            "stop_reasons": reasons,
+            "wall_s": round(self.wall_s, 3),
+            "tokens": tokens,
+            "tok_s": round(tokens / self.wall_s, 2) if self.wall_s > 0 else None,
+            "decode_tok_s": round(sum(s.tokens for s in decode) / decode_s, 2)
+            if decode_s
+            else None,
+            "steps": len(self.steps),
+            "decode_steps": len(decode),
+            "prefill_steps": len(self.steps) - len(decode),
+            "step_ms": _spread([s.seconds * 1e3 for s in decode]),
+            "verify_ms": _spread([s.verify_s * 1e3 for s in decode if s.verify_s is not None]),
+            "rows_per_decode_step": _spread([float(s.rows) for s in decode], 1),
+            "ttft_s": _spread([r.first_at - self.t0 for r in self.requests if r.first_at]),
+            "num_drafts": drafts,
+            "num_draft_tokens": sum(st.num_draft_tokens for st in stats),
+            "num_accepted_tokens": accepted,
+            "acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+            "draft_wait_s": round(sum(st.draft_seconds for st in stats), 3),
+            "branch_hits": sum(st.branch_hits for st in stats),
+            "branch_misses": sum(st.branch_misses for st in stats),
+            "worker_failures": sum(st.worker_failures for st in stats),
+            "peak_memory_bytes": self.peaks,
+        }
+
+
+def run_mode(
+    engine: Engine, mode: str, prompts: list[list[int]], new_tokens: int, limit_s: float
+) -> ModeRun:
+    """Every prompt as one request of ``mode``, all at once through the engine's scheduler,
+    stepped until idle (cancelled once ``limit_s`` has passed)."""
+    sched, clock = engine.scheduler(), engine.clock
+    requests = [_Request(clock) for _ in prompts]
+    reqs = [
+        GenRequest(list(p), new_tokens, mode=mode, on_tokens=r.on_tokens, on_finish=r.on_finish)
+        for p, r in zip(prompts, requests, strict=True)
+    ]
+    _reset_peaks(engine)
+    t0 = clock.now()
+    for req in reqs:
+        sched.add(req)
+    steps: list[_Step] = []
+    timed_out = False
+    while not sched.idle:
+        if not timed_out and clock.now() - t0 > limit_s:
+            timed_out = True
+            for req in reqs:
+                req.cancel()  # dropped at the next step
+        before = sum(len(r.tokens) for r in requests)
+        rows, a = len(sched.rows), clock.now()
+        sched.step()
+        after = sum(len(r.tokens) for r in requests)
+        steps.append(_Step(clock.now() - a, sched.last_verify_s, after - before, rows))
+    wall = clock.now() - t0
+    return ModeRun(mode, requests, steps, wall, t0, timed_out, _peaks(engine))
+
+
+def run_service(model, name: str, config: dict, s: ServiceSettings, time_left) -> dict:
+    """Build the engine over ``model`` (``name``, whose config is ``config``: a dict as in
+    ``d3d/configs/``), warm each mode up with one short request, then run each mode's stage.
+    ``time_left()``: seconds this run may still take (each stage gets the lesser of that, minus
+    a margin, and ``s.stage_seconds``)."""
+    engine = build_engine(model, name, s)
+    out: dict = {
+        "settings": asdict(s) | {"max_kv_tokens": engine.model_cfg.max_kv_tokens},
+        "devices": {
+            "target": str(engine.target.device),
+            "drafter": str(engine.drafter.device) if engine.drafter is not None else None,
+        },
+        "modes": {},
+    }
+    try:
+        out["memory_plan"] = predict_memory(name, config, s, engine)
+    except Exception as exc:  # a plan that cannot be made must not cost the measurement
+        out["memory_plan"] = {"error": f"{type(exc).__name__}: {exc}"}
+    gen = torch.Generator().manual_seed(s.seed)
+    vocab = engine.target.vocab_size
+    prompts = [
+        torch.randint(0, vocab, (s.prompt_tokens,), generator=gen).tolist()
+        for _ in range(s.requests)
+    ]
+    try:
+        t0 = engine.clock.now()
+        for mode in s.modes:  # first forwards, the worker's start: outside the measurement
+            run_mode(engine, mode, [prompts[0][:32]], 4, max(time_left() - 5, 1))
+        out["warmup_s"] = round(engine.clock.now() - t0, 3)
+        reference: list[list[int]] | None = None
+        for mode in s.modes:
+            left = time_left() - 5  # a margin for the summary and the JSON
+            if left <= 1:
+                out["modes"][mode] = {"mode": mode, "skipped": "out of time"}
+                continue
+            try:
+                run = run_mode(engine, mode, prompts, s.new_tokens, min(s.stage_seconds, left))
+            except Exception as exc:  # the next mode still runs
+                out["modes"][mode] = {"mode": mode, "errors": [f"{type(exc).__name__}: {exc}"]}
+                continue
+            res = out["modes"][mode] = run.summary()
+            if mode == "ar" and not run.timed_out:
+                reference = run.outputs
+            elif reference is not None and not run.timed_out:
+                res["matches_ar"] = sum(a == b for a, b in zip(run.outputs, reference, strict=True))
+    finally:
+        engine.close()
+    _compare(out)
+    return out
+
+
+def _compare(out: dict) -> None:
+    """Each mode's throughput over ``ar``'s, and the measured peak beside the plan's."""
+    modes = out["modes"]
+    ar = modes.get("ar", {}).get("tok_s")
+    for res in modes.values():
+        if ar and res.get("tok_s"):
+            res["speedup_vs_ar"] = round(res["tok_s"] / ar, 3)
+    peaks: dict[str, int] = {}
+    for res in modes.values():
+        for dev, b in (res.get("peak_memory_bytes") or {}).items():
+            peaks[dev] = max(peaks.get(dev, 0), b)
+    predicted = {dev: d["peak_bytes"] for dev, d in out["memory_plan"].get("devices", {}).items()}
+    out["memory"] = {
+        "measured_peak_bytes": peaks or None,
+        "predicted_peak_bytes": predicted or None,
+        "measured_over_predicted": {
+            dev: round(peaks[dev] / predicted[dev], 3) for dev in peaks if predicted.get(dev)
+        }
+        or None,
+    }
+
+
+def service_errors(out: dict) -> list[str]:
+    """Every mode's errors (requests that failed, a stage that raised), named by mode."""
+    return [f"{mode}: {e}" for mode, r in out.get("modes", {}).items() for e in r.get("errors", [])]
+
+
+def service_table(out: dict) -> list[str]:
+    """The service run as a few lines of a Markdown table, for the terminal."""
+    if not out.get("modes"):
+        return []
+    lines = [
+        "",
+        "| mode | tok/s | decode tok/s | vs ar | steps | verify ms | accept | matches ar | "
+        "timed out |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for mode, r in out["modes"].items():
+        verify = (r.get("verify_ms") or {}).get("median")
+        lines.append(
+            f"| {mode} | {r.get('tok_s')} | {r.get('decode_tok_s')} | {r.get('speedup_vs_ar')} | "
+            f"{r.get('steps')} | {verify} | {r.get('acceptance_length')} | "
+            f"{r.get('matches_ar', '-')} | {r.get('timed_out', r.get('skipped'))} |"
+        )
+    gib = 2**30
+    mem = out.get("memory") or {}
+    for dev, predicted in (mem.get("predicted_peak_bytes") or {}).items():
+        measured = (mem.get("measured_peak_bytes") or {}).get(dev)
+        shown = f"{measured / gib:.2f} GiB" if measured is not None else "not measured (no CUDA)"
+        lines.append(f"peak memory {dev}: {shown}; d3d plan {predicted / gib:.2f} GiB")
+    return lines
