@@ -1,8 +1,10 @@
 """One clock for every timing that decides anything (the policy, the prefill budget, branches).
 
 A CPU wall clock around an asynchronous GPU call measures the launch, not the work. The clock
-waits for the device before it reads the time: :meth:`Clock.now` synchronises the devices it
-was given (a no-op on a CPU), so ``now() - t0`` around a forward is the forward's real time.
+waits for the device before it reads the time: :meth:`Clock.now` waits for the calling thread's
+current stream on each device it was given (a no-op on a CPU), so ``now() - t0`` around a forward
+is the forward's real time, and a drafter thread on a stream of its own neither waits for the
+target's kernels nor makes the target's clock wait for its own.
 Tests pass a fake clock (any object with ``now()``).
 """
 
@@ -24,7 +26,7 @@ class Clock:
 
     def sync(self) -> None:
         for dev in self.cuda:
-            torch.cuda.synchronize(dev)
+            torch.cuda.current_stream(dev).synchronize()
 
     def now(self) -> float:
         self.sync()

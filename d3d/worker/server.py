@@ -18,7 +18,6 @@ a hit and a miss draw from the same stream.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from d3d.config import SamplingConfig
+from d3d.decoding.clock import Clock
 from d3d.decoding.sampling import probabilities
 from d3d.model.drafter import D3DDrafter
 from d3d.model.session import rewind
@@ -70,12 +70,12 @@ class ServerConfig:
 class DraftServer:
     """Serves every request's drafting session on one drafter (see the module docstring)."""
 
-    def __init__(
-        self, drafter: D3DDrafter, cfg: ServerConfig | None = None, clock=time.perf_counter
-    ):
+    def __init__(self, drafter: D3DDrafter, cfg: ServerConfig | None = None, clock=None):
+        """``clock``: seconds as a callable (tests pass a fake); default the drafter device's
+        synchronised clock, so the branch budget measures work done, not kernels launched."""
         self.drafter = drafter
         self.cfg = cfg or ServerConfig()
-        self.clock = clock
+        self.clock = clock or Clock([getattr(drafter, "device", "cpu")]).now
         self.budget = BranchBudget(self.cfg.max_branches, self.cfg.safety)
         self.sessions: dict[int, _Session] = {}
 

@@ -167,7 +167,12 @@ class ThreadWorker(WorkerClient):
             self._outbox.put(Failed(None, f"{type(exc).__name__}: {exc}"))
             return
         self._outbox.put(Ready({"kind": "thread", "device": device}))
-        serve(self.server, self._inbox.get, self._outbox.put)
+        # A drafter on a GPU drafts on a stream of its own: on the target's GPU its kernels
+        # then run beside the target's instead of queueing behind them.
+        dev = torch.device(device)
+        stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            serve(self.server, self._inbox.get, self._outbox.put)
 
     def close(self) -> None:
         if not self.dead:
