@@ -13,6 +13,7 @@ Explicit values (flags) win over the environment.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from d3d.config import ConfigError, ModelConfig
@@ -78,10 +79,17 @@ class ServeSettings:
                 raise ConfigError(f"{name}: {msg}, got {getattr(self, name)!r}")
 
     @classmethod
-    def from_env(cls, model: ModelConfig | None = None, **overrides: object) -> ServeSettings:
+    def from_env(
+        cls,
+        model: ModelConfig | None = None,
+        environ: Mapping[str, str] | None = None,
+        **overrides: object,
+    ) -> ServeSettings:
+        """Build from ``environ`` (default ``os.environ``); explicit ``overrides`` win."""
+        env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for name, (var, cast) in ENV.items():
-            raw = os.environ.get(var)
+            raw = env.get(var)
             if raw:
                 try:
                     values[name] = cast(raw)
