@@ -16,6 +16,7 @@ model, a hub id that cannot be reached offline.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import inspect
 import logging
@@ -97,6 +98,17 @@ def embedded_default_dir() -> Path:
     out = cache_dir() / EMBEDDED_NAME
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
+    # Processes starting together (service replicas, a drafter process) convert it once: the
+    # others wait on the lock, then find the copy done.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f"{out.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+            return out
+        return _convert_embedded(out)
+
+
+def _convert_embedded(out: Path) -> Path:
     gguf = embedded_gguf_path()
     log.info("converting %s to an fp32 copy under %s (once)", gguf.name, out)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
