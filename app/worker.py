@@ -215,12 +215,21 @@ class EngineWorker:
             self.batch.add(GenRequest(ids, max_new_tokens=8 if mode == "ar" else 24, mode=mode))
             while not self.batch.idle:
                 self.batch.step()
+        # The first document would otherwise build the reader (an int8 copy of the reading layers)
+        # inside its own request, and every request behind it would wait for that.
+        t0 = time.perf_counter()
+        try:
+            self.models.documents.qa.compressor()
+        except Exception:  # documents then fail or build it on first use; chat is unaffected
+            log.exception("building the document reader at warm-up failed")
+        reader_s = time.perf_counter() - t0
         h = engine.host
         summary = {
             "step_ms": _ms(h.step_s.value),
             "verify_token_ms": _ms(h.per_token_s.value),
             "draft_ms": _ms(h.wait_s.value),
             "calibrated": figures is not None,
+            "reader_s": round(reader_s, 2),
         }
         self.model_info["warmup"] = summary
         log.info("warm-up done: %s", summary)

@@ -8,7 +8,8 @@ side in one run:
    over ``--repeats`` rounds): wall time for the four, tokens/s, whether every answer equals the
    ``ar`` one, and for ``async`` the branch hits per request and, over the hit rounds, the whole
    engine step against the batched verify forward alone (``hit_step_seconds`` /
-   ``hit_verify_seconds``: 1.0 means the drafting hid completely).
+   ``hit_step_verify_seconds`` over the steps where every row's block was ready: 1.0 means
+   the drafting hid completely).
 2. **A short chat request behind six documents**: a 16-token chat alone (median of three), then
    six ~3,000-word documents posted to ``/qa`` at once and the same chat right after them: its
    latency against alone, and the time until all six answers are back. Fresh documents each
@@ -128,7 +129,8 @@ def scenario_modes(url: str, repeats: int, tokens: int) -> dict:
         }
         if mode == "async":
             hit_step = sum(s.get("hit_step_seconds", 0.0) for s in spec)
-            hit_verify = sum(s.get("hit_verify_seconds", 0.0) for s in spec)
+            hit_verify = sum(s.get("hit_step_verify_seconds", 0.0) for s in spec)
+            out[mode]["hit_steps"] = sum(s.get("hit_steps", 0) for s in spec)
             hits = sum(out[mode]["branch_hits"])
             rounds = hits + sum(out[mode]["branch_misses"])
             out[mode]["hit_rate"] = hits / rounds if rounds else 0.0

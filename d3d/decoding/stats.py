@@ -37,7 +37,7 @@ class Round:
     speculative: bool = False
     failed: bool = False
     copied: bool = False  # the drafts were copied from the request's text (d3d.decoding.lookup)
-    step_s: float = 0.0  # the whole engine step this round was part of (every row's waits too)
+    step_s: float = 0.0  # the whole engine step, when every drafting row in it hit (else 0)
 
 
 @dataclass
@@ -64,7 +64,11 @@ class DecodeStats:
     branch_rounds: int = 0
     hit_round_seconds: float = 0.0
     hit_verify_seconds: float = 0.0
-    hit_step_seconds: float = 0.0  # whole engine steps of hit rounds (vs their verify forwards)
+    # Hit steps (every drafting row of the step had its block ready): whole steps vs their
+    # verify forwards, i.e. how well the drafting hid.
+    hit_steps: int = 0
+    hit_step_seconds: float = 0.0
+    hit_step_verify_seconds: float = 0.0
     worker_failures: int = 0
     # adaptive speculation: tokens emitted by speculative rounds and by plain target steps
     spec_tokens: int = 0
@@ -89,7 +93,10 @@ class DecodeStats:
                 self.branch_hits += 1
                 self.hit_round_seconds += rnd.draft_s + rnd.verify_s
                 self.hit_verify_seconds += rnd.verify_s
-                self.hit_step_seconds += rnd.step_s
+                if rnd.step_s > 0:
+                    self.hit_steps += 1
+                    self.hit_step_seconds += rnd.step_s
+                    self.hit_step_verify_seconds += rnd.verify_s
             else:
                 self.branch_misses += 1
         if rnd.branches:
@@ -151,7 +158,9 @@ class DecodeStats:
             "branches_per_round": round(self.branches_per_round, 3),
             "hit_round_seconds": round(self.hit_round_seconds, 4),
             "hit_verify_seconds": round(self.hit_verify_seconds, 4),
+            "hit_steps": self.hit_steps,
             "hit_step_seconds": round(self.hit_step_seconds, 4),
+            "hit_step_verify_seconds": round(self.hit_step_verify_seconds, 4),
             "worker_failures": self.worker_failures,
             "spec_tokens": self.spec_tokens,
             "ar_tokens": self.ar_tokens,

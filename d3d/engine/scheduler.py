@@ -255,6 +255,9 @@ class Scheduler:
             for r, p, lg in zip(rows, proposals, logits, strict=True)
         ]
         step_s = self.clock.now() - t0  # waits for blocks + the forward + acceptance
+        # A hit step: every row that drafted with the worker had its block ready (the drafting
+        # was hidden); only those steps are counted as such, against their verify forward.
+        hit_step = any(p.hit for p in proposals) and all(p.hit is not False for p in proposals)
         width = 1 + max(p.k for p in proposals)
         for row, p, acc in zip(rows, proposals, accs, strict=True):
             self.kv.commit(row.kv, acc.num_emitted)
@@ -274,7 +277,7 @@ class Scheduler:
                     speculative=p.k > 0,
                     failed=p.failed,
                     copied=p.source == "copy",
-                    step_s=step_s,
+                    step_s=step_s if hit_step and not shared else 0.0,
                 )
             )
 

@@ -148,3 +148,17 @@ def test_a_worker_that_fails_leaves_every_row_to_the_target(target, reference, f
     assert "target alone" in caplog.text
     if failure == "hang":  # each hung row waited its timeout once, then never again
         assert clock.now <= 3 * 5.0 + 1e-9
+
+
+@pytest.mark.parametrize("script", [["hit"], ["miss"]])
+def test_hit_steps_are_steps_where_every_drafting_row_hit(target, reference, script):
+    worker = ScriptedWorker(OracleDrafter(target, wrong=True), script)
+    rows = Rows(target, worker, FakeClock(), ["async", "async", "ar", "async"])
+    rows.run()
+    assert rows.out == reference
+    steps = [st.hit_steps for st in rows.stats[:2]]
+    if script == ["hit"]:
+        assert all(n > 0 for n in steps)
+        assert all(st.hit_step_seconds >= st.hit_step_verify_seconds > 0 for st in rows.stats[:2])
+    else:
+        assert steps == [0, 0] and rows.stats[0].hit_step_seconds == 0.0
