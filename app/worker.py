@@ -19,6 +19,7 @@ hold is refused with 413 naming the limit; one that does not fit now waits for r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import queue
@@ -301,7 +302,9 @@ class EngineWorker:
             if not spared and self.engine is not None and hasattr(self.engine, "spare_thread"):
                 self.engine.spare_thread()
                 spared = True
-            prepared = self._prepare(job)
+            reading = getattr(self.engine, "reading", None)
+            with reading() if reading is not None else contextlib.nullcontext():
+                prepared = self._prepare(job)
             if prepared is None:
                 self._count(-1)
             else:

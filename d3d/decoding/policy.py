@@ -51,7 +51,7 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -284,10 +284,13 @@ class AutoProposer:
         read_cost: float = 1.0,
         max_saving: float = 0.5,
         copies: CopyDrafts | None = None,
+        busy: Callable[[], bool] | None = None,
     ):
         """``budget``: the request's token budget (None: unbounded, no catch-up check);
         ``read_cost``: the drafter's cost of reading a token relative to the target's prefill
-        (its depth over the target's); ``max_saving``: see the module docstring."""
+        (its depth over the target's); ``max_saving``: see the module docstring; ``busy``: true
+        while the drafter's device does other work (reading a document for compression): no
+        speculative run starts then, since its blocks would wait for that work."""
         self.spec = spec
         self.host = host
         self.max_len = max_len
@@ -295,6 +298,7 @@ class AutoProposer:
         self.read_cost = read_cost
         self.max_saving = max_saving
         self.copies = copies
+        self.busy = busy or (lambda: False)
         self.copy: CopyDraft | None = None  # the copy verified this round, if any
 
     def start(
@@ -310,7 +314,7 @@ class AutoProposer:
         self.target_len = len(prompt_ids)
         self.prompt_len = len(draft_prompt_ids if draft_prompt_ids is not None else prompt_ids)
         self.unread = self.prompt_len  # what the drafter has to read before its first block
-        self.next_len = self.policy.next_len() if self.spec is not None else 0
+        self.next_len = self.policy.next_len() if self.spec is not None and not self.busy() else 0
         if self.next_len > 0 and not self._catch_up_pays():
             self.next_len = 0
         if self.next_len > 0:
@@ -377,6 +381,8 @@ class AutoProposer:
         # A worker that failed serves this request no more: plain steps to the end.
         off = next_len == 0 or self.spec is None or getattr(self.spec, "failed", False)
         self.next_len = 0 if off else self.policy.next_len()
+        if self.next_len > 0 and not was and self.busy():
+            self.next_len = 0  # a run starts only while the drafter's device is free
         if self.next_len > 0 and not was and not self._catch_up_pays():
             self.next_len = 0
         if self.next_len == 0:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,8 @@ class DrafterHost:
         self._cpu: CpuBudget | None = None  # set while a drafter process holds cores
         self._cpu_state: bool | None = None  # the budget in force (True: the drafter's share)
         self._spare: set[int] = set()  # threads kept off the target's cores
+        self._reading = 0  # documents being read on the drafter's device now
+        self._reading_lock = threading.Lock()
 
     def adopt(self, started: tuple[WorkerClient, CpuBudget | None]) -> None:
         """Take a worker started before the engine existed (it loads while the target does)."""
@@ -132,6 +135,22 @@ class DrafterHost:
             if spare:
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(0, spare)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Mark the drafter's device busy with other work (see :meth:`busy`)."""
+        with self._reading_lock:
+            self._reading += 1
+        try:
+            yield
+        finally:
+            with self._reading_lock:
+                self._reading -= 1
+
+    def busy(self) -> bool:
+        """Whether the drafter's device is reading a document now: a drafter process shares
+        its core with the reader, so blocks asked for meanwhile would wait for the reading."""
+        return self._reading > 0
 
     def close(self) -> None:
         """Stop the worker (and give the target its cores back)."""

@@ -177,6 +177,11 @@ class Engine:
         """Keep the calling thread (a document reader) off the target's cores."""
         self.drafters.spare_thread()
 
+    def reading(self):
+        """A context for work on the drafter's device beside decoding (reading a document):
+        ``auto`` starts no speculative run meanwhile."""
+        return self.drafters.reading()
+
     def close(self) -> None:
         """Stop the drafter worker (and give the target its cores back)."""
         self.drafters.close()
@@ -206,6 +211,7 @@ class Engine:
             budget=budget,
             read_cost=self._read_cost(),
             copies=self._copies() if copy else None,
+            busy=self.drafters.busy,
         )
 
     @property

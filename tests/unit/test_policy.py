@@ -263,3 +263,43 @@ def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_pla
         spec = Spec()
         AutoProposer(spec, host, budget=budget).start(list(range(2000)), SamplingConfig(), None)
         assert spec.first_len == first_len
+
+
+def test_auto_starts_no_speculative_run_while_the_drafters_device_reads_a_document():
+    """A drafter process shares its core with the document reader: while it reads, a run that
+    would start waits (plain steps), and one under way may go on."""
+    import torch
+
+    from d3d.decoding.policy import AutoProposer
+    from d3d.decoding.proposers import Proposal
+    from d3d.decoding.verify import Acceptance
+
+    class Spec:
+        failed = False
+        speculating = True
+
+        def start(self, *args, first_len=None):
+            self.first_len = first_len
+
+        def propose(self, tokens):
+            return Proposal(torch.arange(15))
+
+        def observe(self, acc, verify_s, next_len=None):
+            self.next_len = next_len
+
+        def close(self):
+            pass
+
+    reading = [True]
+    auto = AutoProposer(Spec(), _paying_host(), busy=lambda: reading[0])
+    auto.start([1, 2, 3], SamplingConfig(), None)
+    assert auto.next_len == 0, "busy at the start: plain"
+    auto.observe(Acceptance(0, [7]), 0.1)
+    assert auto.next_len == 0 and auto.propose([]).k == 0
+    reading[0] = False
+    auto.observe(Acceptance(0, [8]), STEP)
+    assert auto.next_len > 0, "free again: speculation pays and starts"
+    reading[0] = True
+    assert auto.propose([]).k > 0
+    auto.observe(Acceptance(15, list(range(16))), STEP + 15 * PER_TOKEN)
+    assert auto.next_len > 0, "a run under way goes on"
