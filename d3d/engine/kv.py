@@ -11,8 +11,8 @@ once (:class:`KvLimitError`, whose message names the limit). What is allocated a
 is the rows' capacities, at most what they reserved.
 
 A forward covers any list of rows, each with its own number T_r of new tokens, flattened into
-one sequence of N tokens (:mod:`d3d.engine.ragged`). :meth:`RowKV.begin` gives the position ids
-and each row's :class:`~d3d.engine.ragged.Segment`; :meth:`RowKV.update` (the Hugging Face
+one sequence of N tokens (:mod:`d3d.model.ragged`). :meth:`RowKV.begin` gives the position ids
+and each row's :class:`~d3d.model.ragged.Segment`; :meth:`RowKV.update` (the Hugging Face
 ``Cache`` hook, called once per layer) writes each row's new keys at its own length, and the
 ragged attention reads the row's buffer up to its length plus T_r. Nothing is kept until
 :meth:`commit`: rolling back rejected drafts is not committing them (their positions are
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, DynamicCache
 
-from d3d.engine.ragged import Segment
+from d3d.model.ragged import Segment
 
 GROW = 64  # capacity is allocated in multiples of this many positions
 
@@ -206,7 +206,7 @@ class RowKV(Cache):
     ) -> tuple[torch.Tensor, list[Segment]]:
         """Prepare a ragged forward where row b appends ``widths[b]`` tokens (one after another
         in a flat sequence of N). Returns (position ids [1, N], the rows' segments for
-        :func:`~d3d.engine.ragged.ragged_attention`); the next ``update`` calls write row b's new
+        :func:`~d3d.model.ragged.ragged_attention`); the next ``update`` calls write row b's new
         keys at its positions ``len_b .. len_b + widths[b] - 1``."""
         segments, positions, fwd = [], [], []
         q = 0

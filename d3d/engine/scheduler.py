@@ -15,7 +15,7 @@ loop. One step reads as the algorithm::
                row's commit in one message, so it drafts step t+1 while the target verifies it
 
 Prompts are read in chunks inside the same forward as the decoding rows (one flat sequence,
-:mod:`d3d.engine.ragged`: the weights are read once a step), shortest prompt first, so a short
+:mod:`d3d.model.ragged`: the weights are read once a step), shortest prompt first, so a short
 request is not queued behind a long document; while rows decode, the chunks may make the step
 at most ``1 + share`` times as long as the rows alone (:class:`PrefillBudget`): a long prompt
 costs running rows a bounded share of each step, never a whole prefill. A prompt prefix that requests share (document QA: the

@@ -2,7 +2,7 @@
 
 :class:`BatchTarget` owns the target model and its :class:`~d3d.engine.kv.RowKV`. A forward
 takes a list of rows and one list of new token ids per row (a decoding row's anchor and drafts,
-a prompt's next chunk) and runs them as one flat sequence (:mod:`d3d.engine.ragged`): the
+a prompt's next chunk) and runs them as one flat sequence (:mod:`d3d.model.ragged`): the
 weights are read once for the step, no row is padded, and attention stays within each row, so
 every row computes what it would alone, up to floating-point summation order. Logits are
 computed only where asked (``keep``: per row, which of its positions).
@@ -20,8 +20,8 @@ from transformers import PreTrainedModel
 
 from d3d.decoding.clock import WALL, Clock
 from d3d.engine.kv import KvRow, RowKV
-from d3d.engine.ragged import KWARG
 from d3d.model.hf import with_cache
+from d3d.model.ragged import KWARG
 
 log = logging.getLogger(__name__)
 

@@ -394,6 +394,7 @@ class D3DDrafter(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: DynamicCache | None,
         mask_slots: torch.Tensor | None = None,
+        ragged: dict | None = None,
     ) -> torch.Tensor:
         """The drafter's layers: embeds [1, Q, H] -> hidden states [1, Q, H] (final norm applied).
 
@@ -401,16 +402,17 @@ class D3DDrafter(nn.Module):
         the mask embedding (None: none of them); a drafter whose weights act differently at mask
         slots (adapters) reads it here, so callers never need to know. With adapters, they act at
         the mask slots only, and the other rows are kept from seeing mask slots, so they compute
-        exactly the frozen layers' causal forward.
+        exactly the frozen layers' causal forward. ``ragged``: the keyword arguments of a ragged
+        forward over several sessions (:func:`d3d.worker.drafting.draft_blocks`), whose segments
+        carry their own masks (mask slots already hidden from the other rows).
         """
         kwargs = with_cache(self.lm.model, cache) if cache is not None else {}
+        kwargs.update(ragged or {})
         gate = contextlib.nullcontext()
         if self.adapters is not None:
-            if mask_slots is not None:
-                slots = mask_slots.to(embeds.device, torch.bool)
+            slots = None if mask_slots is None else mask_slots.to(embeds.device, torch.bool)
+            if slots is not None and ragged is None:
                 attention_mask = hide_gated_keys(attention_mask, slots, cache_length(cache))
-            else:
-                slots = None
             gate = self.adapters.gated(slots)
         with gate:
             out = self.lm.model(

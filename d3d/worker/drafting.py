@@ -24,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
 from d3d.model.hf import cache_length, trim_cache
+from d3d.model.ragged import KWARG, Segment
 
 
 @torch.inference_mode()
@@ -83,3 +84,92 @@ def draft_branches(
     hidden = drafter.body(embeds, pos, mask, cache, slots)
     trim_cache(cache, n * b)
     return drafter.head(hidden[0, c:].view(n, b, -1)[:, : b - 1])
+
+
+class _SessionKeys:
+    """One session's cache seen as a row of a ragged forward (its keys read in place)."""
+
+    def __init__(self, cache: DynamicCache):
+        self.cache = cache
+
+    def keys(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.cache.layers[layer]
+        return lay.keys[:, :, :n], lay.values[:, :, :n]
+
+
+class _Sessions(Cache):
+    """Several sessions' caches as one ``Cache`` for one ragged forward: each segment's new keys
+    are appended to its own session's cache."""
+
+    def __init__(self, caches: Sequence[DynamicCache], spans: Sequence[tuple[int, int]], layers):
+        super().__init__(layers=[])
+        self.caches, self.spans, self.num_layers = list(caches), list(spans), layers
+        self._past = max((cache_length(c) for c in caches), default=0)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        for cache, (q0, q1) in zip(self.caches, self.spans, strict=True):
+            cache.update(key_states[:, :, q0:q1], value_states[:, :, q0:q1], layer_idx)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._past
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return 1, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+
+def can_batch(drafter: D3DDrafter) -> bool:
+    """Whether :func:`draft_blocks` may run this drafter (its attention goes through sdpa)."""
+    return getattr(drafter.lm.config, "_attn_implementation", None) == "sdpa"
+
+
+@torch.inference_mode()
+def draft_blocks(
+    drafter: D3DDrafter, items: Sequence[tuple[DynamicCache, Sequence[int], int]]
+) -> list[torch.Tensor]:
+    """One block per session in ONE drafter forward: ``items[i]`` = (its cache, the committed
+    tokens it has not read yet, its anchor). Each session's ``[pending, anchor, MASK x K]`` sits
+    at its own positions with the mask :meth:`D3DDrafter.block_scores` uses (pending causal and
+    blind to the block, the block seeing its prefix and all of its slots; with adapters, the
+    anchor blind to the mask slots); afterwards each cache holds its pending tokens too, and no block. Returns the
+    draft-space scores [K, V_d] of each block, exactly what ``block_scores`` gives one by one."""
+    dev, b = drafter.device, drafter.block_size
+    embed = drafter.lm.get_input_embeddings()
+    parts, positions, slots, segments, spans, rows = [], [], [], [], [], []
+    q = 0
+    for cache, pending, anchor in items:
+        s, t = cache_length(cache), len(pending)
+        block = drafter.block_embeds(torch.tensor([anchor], device=dev))  # [1, B, H]
+        if t:
+            block = torch.cat([embed(torch.tensor([list(pending)], device=dev)), block], dim=1)
+        mask = masks.extend_block_mask(s, t, b, dev)[0, 0]  # [T+B, S+T+B]
+        gated = torch.zeros(t + b, dtype=torch.bool, device=dev)
+        gated[t + 1 :] = True
+        if drafter.adapters is not None:  # ungated rows blind to the slots adapters act at
+            mask[:, s:] &= ~((~gated)[:, None] & gated[None, :])
+        parts.append(block)
+        positions.append(torch.arange(s, s + t + b, device=dev))
+        slots.append(gated)
+        segments.append(Segment(q, q + t + b, s, _SessionKeys(cache), mask))
+        spans.append((q, q + t + b))
+        rows.append(q + t)
+        q += t + b
+    caches = [c for c, _, _ in items]
+    hidden = drafter.body(
+        torch.cat(parts, dim=1),
+        torch.cat(positions)[None, :],
+        torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),
+        _Sessions(caches, spans, len(drafter.lm.model.layers)),
+        torch.cat(slots),
+        ragged={KWARG: segments},
+    )
+    for cache in caches:
+        trim_cache(cache, b)
+    return [drafter.head(hidden[0, r : r + b - 1]) for r in rows]

@@ -31,7 +31,7 @@ from d3d.model.drafter import D3DDrafter
 from d3d.model.session import rewind
 from d3d.worker.branches import choose_branches
 from d3d.worker.budget import BranchBudget
-from d3d.worker.drafting import draft_branches, encode_chain
+from d3d.worker.drafting import can_batch, draft_blocks, draft_branches, encode_chain
 from d3d.worker.protocol import Block, Close, Commit, Commits, Failed, Open
 
 log = logging.getLogger(__name__)
@@ -125,22 +125,27 @@ class DraftServer:
             # target.
             if msg.wants_block:
                 wanted.append((msg, sess, prepared, offered))
-        wanted.sort(key=lambda w: w[2] is None)  # hits go out before any miss is drafted
         ready: list[tuple[int, _Session, Prepared, int | None]] = []
-        for msg, sess, prepared, offered in wanted:
-            t0 = self.clock()
-            try:
-                block = prepared if prepared is not None else self._draft_now(sess)
-            except Exception as exc:
+        hits = [w for w in wanted if w[2] is not None]
+        misses = [w for w in wanted if w[2] is None]  # no branch prepared (budget 0) is one too
+        t0 = self.clock()
+        try:  # every missed block in one forward, after the hits went out
+            drafted = self._draft_many([sess for _, sess, _, _ in misses]) if misses else []
+        except Exception as exc:
+            for msg, _, _, _ in misses:
                 yield self._failed(msg.sid, exc)
-                continue
+            misses, drafted = [], []
+        for (msg, sess, prepared, offered), block in [
+            *((h, h[2]) for h in hits),
+            *zip(misses, drafted, strict=True),
+        ]:
             yield Block(
                 sid=msg.sid,
                 pos=len(sess.committed),
                 tokens=block.tokens,
-                hit=prepared is not None,  # no branch prepared (budget 0) is a miss too
+                hit=prepared is not None,
                 branches=offered,
-                work_s=self.clock() - t0,
+                work_s=0.0 if prepared is not None else self.clock() - t0,
                 q_ids=block.q_ids,
                 q_probs=block.q_probs,
             )
@@ -161,11 +166,21 @@ class DraftServer:
         return pending
 
     @torch.inference_mode()
-    def _draft_now(self, sess: _Session) -> Prepared:
-        pending = self._rewind(sess)
-        scores = self.drafter.block_scores(sess.committed[-1], sess.cache, pending)
-        sess.cached_ids = sess.committed[:-1]
-        return self._finish(sess, scores, len(sess.committed))
+    def _draft_many(self, sessions: list[_Session]) -> list[Prepared]:
+        """A block for each session now (the misses of a step): one drafter forward for all of
+        them where the drafter allows (:func:`~d3d.worker.drafting.draft_blocks`)."""
+        d = self.drafter
+        pending = [self._rewind(s) for s in sessions]  # may give a session a fresh cache
+        items = [(s.cache, p, s.committed[-1]) for s, p in zip(sessions, pending, strict=True)]
+        if len(items) > 1 and can_batch(d):
+            scores = draft_blocks(d, items)
+        else:
+            scores = [d.block_scores(a, cache, pending) for cache, pending, a in items]
+        out = []
+        for sess, sc in zip(sessions, scores, strict=True):
+            sess.cached_ids = sess.committed[:-1]
+            out.append(self._finish(sess, sc, len(sess.committed)))
+        return out
 
     # ----- drafting ---------------------------------------------------------------------
     def _finish(self, sess: _Session, scores: torch.Tensor, pos: int) -> Prepared:

@@ -5,6 +5,7 @@ block must equal the block the synchronous path drafts after committing ``a, d_1
 the 4D mask and positions are what makes that true. Also: the server's hits and misses.
 """
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -132,3 +133,47 @@ def test_chain_and_branches_in_one_forward_equal_the_two_step_way():
     ref_cache = _cache_with(drafter, [*prefix, anchor, *drafts[:2]])
     ref = draft_branches(drafter, ref_cache, visible, [r for _, r in outcomes])
     torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("adapter", [False, True])
+def test_blocks_of_several_sessions_in_one_forward_equal_drafting_each_alone(kind, adapter):
+    """A step's missed blocks, drafted for every session at once (sessions at different
+    lengths, with and without pending tokens to read first), give the scores and leave the caches
+    exactly as one block_scores call per session does."""
+    from d3d.model.adapters import AdapterConfig
+    from d3d.worker.drafting import draft_blocks
+
+    target = tiny_model(kind, seed=2, layers=3, scale=2.0)
+    d = D3DDrafter.from_target(
+        target, 3, block_size=5, adapter=AdapterConfig(rank=4) if adapter else None
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.requires_grad or adapter is False:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    prompts = [list(range(3, 30)), list(range(40, 48)), [9] * 3]
+    pending = [[5, 6, 7], [], [11]]
+    anchors = [12, 13, 14]
+
+    def caches():
+        out = []
+        for p in prompts:
+            c = DynamicCache()
+            d.encode(p, c)
+            out.append(c)
+        return out
+
+    alone_caches, batch_caches = caches(), caches()
+    alone = [
+        d.block_scores(a, c, pend)
+        for c, pend, a in zip(alone_caches, pending, anchors, strict=True)
+    ]
+    batched = draft_blocks(d, list(zip(batch_caches, pending, anchors, strict=True)))
+    for x, y in zip(alone, batched, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    for c1, c2 in zip(alone_caches, batch_caches, strict=True):
+        assert c1.get_seq_length() == c2.get_seq_length()
+        for l1, l2 in zip(c1.layers, c2.layers, strict=True):
+            torch.testing.assert_close(l1.keys, l2.keys, atol=1e-5, rtol=1e-5)

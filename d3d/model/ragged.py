@@ -35,13 +35,15 @@ KWARG = "d3d_segments"
 @dataclass(frozen=True)
 class Segment:
     """One row of a ragged forward: its queries ``[q0, q1)`` of the N new tokens, its cached
-    length ``past``, and the row whose buffers hold its keys (anything with
-    ``keys(layer, n) -> (k, v)``, [1, Hkv, n, D] each)."""
+    length ``past``, the row whose buffers hold its keys (anything with
+    ``keys(layer, n) -> (k, v)``, [1, Hkv, n, D] each), and its mask when it is not causal (a
+    drafter's block sees all of its own slots)."""
 
     q0: int
     q1: int
     past: int
     row: Any
+    mask: torch.Tensor | None = None  # bool [T, past + T]; None: causal from ``past``
 
 
 def ragged_attention(
@@ -61,8 +63,8 @@ def ragged_attention(
         q = query[:, :, s.q0 : s.q1]
         t = s.q1 - s.q0
         k, v = s.row.keys(layer, s.past + t)
-        mask = None
-        if t > 1:  # query i sees keys 0 .. past + i
+        mask = s.mask
+        if mask is None and t > 1:  # query i sees keys 0 .. past + i
             keys = torch.arange(s.past + t, device=q.device)
             mask = keys[None, :] <= (s.past + torch.arange(t, device=q.device))[:, None]
         out.append(F.scaled_dot_product_attention(q, k, v, mask, scale=scaling, enable_gqa=gqa))
