@@ -67,6 +67,22 @@ class ServerConfig:
     fixed_branches: int | None = None  # a fixed number per round instead of the budget's
 
 
+def _block(
+    msg: Commit, sess: _Session, block: Prepared, offered: int, hit: bool, work_s: float
+) -> Block:
+    """The reply to ``msg``: the draft for the session's committed length."""
+    return Block(
+        sid=msg.sid,
+        pos=len(sess.committed),
+        tokens=block.tokens,
+        hit=hit,
+        branches=offered,
+        work_s=work_s,
+        q_ids=block.q_ids,
+        q_probs=block.q_probs,
+    )
+
+
 class DraftServer:
     """Serves every request's drafting session on one drafter (see the module docstring)."""
 
@@ -128,27 +144,18 @@ class DraftServer:
         ready: list[tuple[int, _Session, Prepared, int | None]] = []
         hits = [w for w in wanted if w[2] is not None]
         misses = [w for w in wanted if w[2] is None]  # no branch prepared (budget 0) is one too
+        for msg, sess, prepared, offered in hits:  # out at once: the target is waiting
+            yield _block(msg, sess, prepared, offered, hit=True, work_s=0.0)
+            ready.append((msg.sid, sess, prepared, msg.next_len))
         t0 = self.clock()
-        try:  # every missed block in one forward, after the hits went out
+        try:  # every missed block in one forward
             drafted = self._draft_many([sess for _, sess, _, _ in misses]) if misses else []
         except Exception as exc:
             for msg, _, _, _ in misses:
                 yield self._failed(msg.sid, exc)
             misses, drafted = [], []
-        for (msg, sess, prepared, offered), block in [
-            *((h, h[2]) for h in hits),
-            *zip(misses, drafted, strict=True),
-        ]:
-            yield Block(
-                sid=msg.sid,
-                pos=len(sess.committed),
-                tokens=block.tokens,
-                hit=prepared is not None,
-                branches=offered,
-                work_s=0.0 if prepared is not None else self.clock() - t0,
-                q_ids=block.q_ids,
-                q_probs=block.q_probs,
-            )
+        for (msg, sess, _, offered), block in zip(misses, drafted, strict=True):
+            yield _block(msg, sess, block, offered, hit=False, work_s=self.clock() - t0)
             ready.append((msg.sid, sess, block, msg.next_len))
         for sid, sess, block, length in ready:
             try:

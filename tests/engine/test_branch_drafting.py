@@ -177,3 +177,30 @@ def test_blocks_of_several_sessions_in_one_forward_equal_drafting_each_alone(kin
         assert c1.get_seq_length() == c2.get_seq_length()
         for l1, l2 in zip(c1.layers, c2.layers, strict=True):
             torch.testing.assert_close(l1.keys, l2.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_a_steps_hits_go_out_before_its_misses_are_drafted():
+    """One step's commits: the row whose branch was prepared gets its block before the worker
+    drafts the missed rows' blocks (the target waits for every block of the step)."""
+    from d3d.worker.protocol import Commits
+
+    target = tiny_model("llama", seed=1)
+    drafter = D3DDrafter.from_target(target, 1, block_size=4)
+    server = DraftServer(drafter, ServerConfig(max_branches=6))
+    greedy = SamplingConfig()
+    _run(server, [Open(1, [5, 6, 7, 8], greedy, 0), Open(2, [9, 10, 11], greedy, 0)])
+    (_, _, hit_r), _ = next(iter(server.sessions[1].branches.items()))
+    keys = set(server.sessions[2].branches)
+    miss_r = next(t for t in range(100) if (3, 0, t) not in keys)
+    order: list[str] = []
+    real = server._draft_many
+
+    def drafting(sessions):
+        order.append("draft")
+        return real(sessions)
+
+    server._draft_many = drafting
+    for reply in server.handle(Commits([Commit(2, [miss_r], 0.1), Commit(1, [hit_r], 0.1)])):
+        if isinstance(reply, Block):
+            order.append(f"block {reply.sid} {'hit' if reply.hit else 'miss'}")
+    assert order[:3] == ["block 1 hit", "draft", "block 2 miss"]
