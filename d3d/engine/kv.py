@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache, DynamicCache
+from transformers import DynamicCache
 
-from d3d.model.ragged import Segment
+from d3d.model.ragged import RaggedCache, Segment
 
 GROW = 64  # capacity is allocated in multiples of this many positions
 
@@ -91,7 +91,7 @@ def default_kv_tokens(model, share_cpu: float = 0.25, share_gpu: float = 0.8) ->
     return max(int(budget // per), window, GROW)
 
 
-class RowKV(Cache):
+class RowKV(RaggedCache):
     """Per-row KV buffers for Llama/Qwen-style decoders (see the module docstring)."""
 
     def __init__(
@@ -103,16 +103,15 @@ class RowKV(Cache):
         device: torch.device | str,
         max_tokens: int,
     ):
-        super().__init__(layers=[])
+        super().__init__(num_layers)
         if max_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {max_tokens}")
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.max_tokens = max_tokens
         self.reserved = 0
         self.rows: list[KvRow] = []  # open rows (what is allocated)
         self._fwd: list[tuple[KvRow, int, int]] = []  # (row, first query, new tokens)
-        self._past = 0
 
     @classmethod
     def for_model(cls, model, max_tokens: int) -> RowKV:
@@ -216,7 +215,7 @@ class RowKV(Cache):
             segments.append(Segment(q, q + w, r.length, r))
             fwd.append((r, q, w))
             q += w
-        self._fwd, self._past = fwd, max(r.length for r in rows)
+        self._fwd, self.past = fwd, max(r.length for r in rows)
         return torch.cat(positions)[None, :], segments
 
     def commit(self, row: KvRow, n: int) -> None:
@@ -231,17 +230,3 @@ class RowKV(Cache):
             row.k[layer_idx][:, n : n + w] = key_states[0, :, q : q + w]
             row.v[layer_idx][:, n : n + w] = value_states[0, :, q : q + w]
         return key_states, value_states
-
-    # -- what the model may ask a Cache --------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._past
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return 1, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def __len__(self) -> int:
-        return self.num_layers

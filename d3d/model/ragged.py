@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 KWARG = "d3d_segments"
@@ -69,6 +69,30 @@ def ragged_attention(
             mask = keys[None, :] <= (s.past + torch.arange(t, device=q.device))[:, None]
         out.append(F.scaled_dot_product_attention(q, k, v, mask, scale=scaling, enable_gqa=gqa))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+
+class RaggedCache(Cache):
+    """What a ragged forward's ``Cache`` tells the model: ``past``, the longest row's cached
+    length, and no mask of its own (the segments carry the rows' masks). Subclasses write each
+    segment's new keys where its row keeps them (:meth:`update`)."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.past = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return 1, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return self.num_layers
 
 
 def _wrap(original: Callable) -> Callable:

@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import Cache, DynamicCache
+from transformers import DynamicCache
 
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
 from d3d.model.hf import cache_length, trim_cache
-from d3d.model.ragged import KWARG, Segment
+from d3d.model.ragged import KWARG, RaggedCache, Segment
 
 
 @torch.inference_mode()
@@ -97,32 +97,19 @@ class _SessionKeys:
         return lay.keys[:, :, :n], lay.values[:, :, :n]
 
 
-class _Sessions(Cache):
+class _Sessions(RaggedCache):
     """Several sessions' caches as one ``Cache`` for one ragged forward: each segment's new keys
     are appended to its own session's cache."""
 
     def __init__(self, caches: Sequence[DynamicCache], spans: Sequence[tuple[int, int]], layers):
-        super().__init__(layers=[])
-        self.caches, self.spans, self.num_layers = list(caches), list(spans), layers
-        self._past = max((cache_length(c) for c in caches), default=0)
+        super().__init__(layers)
+        self.caches, self.spans = list(caches), list(spans)
+        self.past = max((cache_length(c) for c in caches), default=0)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         for cache, (q0, q1) in zip(self.caches, self.spans, strict=True):
             cache.update(key_states[:, :, q0:q1], value_states[:, :, q0:q1], layer_idx)
         return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._past
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return 1, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def __len__(self) -> int:
-        return self.num_layers
 
 
 def can_batch(drafter: D3DDrafter) -> bool:
