@@ -138,14 +138,12 @@ class Engine:
             return None
         if self.drafter is not None:
             self.worker()
-        block = self.drafter.block_size if self.drafter is not None else DEFAULT_BLOCK_SIZE
-        read_cost = self._read_cost() if self.drafter is not None else 1.0
         figures = seed(
             self.host,
             self.target.model,
             self.drafter,
-            block,
-            read_cost,
+            self.block_size,
+            self._read_cost(),
             self.cpu_budget,
             self.clock,
         )

@@ -182,7 +182,7 @@ class Scheduler:
         while self.waiting and len(self.rows) < self.max_batch:
             req = self.waiting[0]
             if not self.kv.fits(self.need(req)):
-                break  # waits until running rows give pages back
+                break  # waits until running rows give their reservations back
             self.waiting.popleft()
             stats = req.stats if req.stats is not None else DecodeStats(mode=req.mode)
             stats.prompt_tokens = len(req.prompt_ids)
@@ -204,7 +204,8 @@ class Scheduler:
         decoding = [r for r in self.rows if r.decoding]
         proposals = self._propose(decoding)
         ids = [[r.tokens[-1], *p.tokens.tolist()] for r, p in zip(decoding, proposals, strict=True)]
-        chunks = self._chunks([r for r in self.rows if not r.decoding], sum(map(len, ids)))
+        decode_tokens = sum(map(len, ids))
+        chunks = self._chunks([r for r in self.rows if not r.decoding], decode_tokens)
         runs = [r.req.prompt_ids[r.prefilled : r.prefilled + n] for r, n in chunks]
         done = [r.prefilled + n == len(r.req.prompt_ids) for r, n in chunks]
         ends = [[n - 1] if d else [] for (_, n), d in zip(chunks, done, strict=True)]
@@ -212,7 +213,7 @@ class Scheduler:
         rows = [*decoding, *(r for r, _ in chunks)]
         logits = self.target.forward([r.kv for r in rows], [*ids, *runs], keep)
         seconds = self.target.last_seconds
-        tokens = sum(map(len, ids)) + sum(n for _, n in chunks)
+        tokens = decode_tokens + sum(n for _, n in chunks)
         self.prefill_budget.observe(tokens, seconds)
         self.last_verify_s = seconds if decoding and not chunks else None
         if decoding:
