@@ -11,6 +11,30 @@ from d3d.decoding.policy import HostCosts, PositionStats, SpeculationPolicy, exp
 STEP, PER_TOKEN = 0.040, 0.0037  # this CPU: a 16-token verify costs ~2.4 steps
 
 
+class SpecDouble:
+    """A speculating proposer auto wraps: a whole block every round until ``failed`` (its
+    worker gone), recording what auto told it (``first_len``, ``next_len``)."""
+
+    failed = False
+    speculating = True
+
+    def start(self, *args, first_len=None):
+        self.first_len = first_len
+
+    def propose(self, tokens):
+        import torch
+
+        from d3d.decoding.proposers import NO_DRAFT, Proposal
+
+        return NO_DRAFT if self.failed else Proposal(torch.arange(15))
+
+    def observe(self, acc, verify_s, next_len=None):
+        self.next_len = next_len
+
+    def close(self):
+        pass
+
+
 def simulate(policy, n_tokens, accept, wait=0.0, cold_extra=0.0, seed=0):
     """Decode n tokens with fixed costs; ``accept(i)``: chance that draft i+1 is accepted.
     Returns (speculative rounds, plain steps, seconds, draft lengths used)."""
@@ -125,30 +149,12 @@ def test_auto_takes_plain_steps_and_gives_the_cores_back_once_its_worker_failed(
     """A drafter that pays, then its worker fails: plain steps to the end of the request, and
     the proposer says when it needs the drafter's cores (speculating, then plain), which is
     what the engine sizes the target's CPU budget from after every step."""
-    import torch
 
     from d3d.decoding.policy import AutoProposer
-    from d3d.decoding.proposers import NO_DRAFT, Proposal
     from d3d.decoding.verify import Acceptance
 
-    class Spec:
-        failed = False
-        speculating = True
-
-        def start(self, *args, first_len=None):
-            self.first_len = first_len
-
-        def propose(self, tokens):
-            return NO_DRAFT if self.failed else Proposal(torch.arange(15))
-
-        def observe(self, acc, verify_s, next_len=None):
-            self.next_len = next_len
-
-        def close(self):
-            pass
-
     host = _paying_host()
-    spec = Spec()
+    spec = SpecDouble()
     auto = AutoProposer(spec, host)
     auto.start([1, 2, 3], SamplingConfig(), None)
     assert spec.first_len > 0 and auto.speculating
@@ -202,29 +208,15 @@ def test_auto_starts_speculating_only_when_the_drafters_catch_up_can_pay_back(
     typical answer leaves, or than the request has produced so far when that is more. A fresh
     host (no typical answer) or one of short answers speculates from token 106 of a 512-token
     budget, one of 400-token answers at once, a 24-token budget never, no budget at once."""
-    import torch
 
     from d3d.decoding.policy import AutoProposer
-    from d3d.decoding.proposers import NO_DRAFT, Proposal
+    from d3d.decoding.proposers import NO_DRAFT
     from d3d.decoding.verify import Acceptance
-
-    class Spec:
-        def start(self, *args, first_len=None):
-            self.first_len = first_len
-
-        def propose(self, tokens):
-            return Proposal(torch.arange(15))
-
-        def observe(self, acc, verify_s, next_len=None):
-            self.next_len = next_len
-
-        def close(self):
-            pass
 
     host = _paying_host()
     host.step_s.value = None  # this engine's first request: one plain step is measured first
     host.answer_len.value = typical
-    spec = Spec()
+    spec = SpecDouble()
     auto = AutoProposer(spec, host, budget=budget)
     auto.start(list(range(2000)), SamplingConfig(), None)
     assert spec.first_len == 0
@@ -244,23 +236,14 @@ def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_pla
     a 24-token answer to a 2,000-token prompt starts plain (the drafter need not read the
     prompt), a 512-token one speculates from the first round, unless the host's answers are
     typically short (then the budget is no guide: it starts plain too)."""
-    import torch
 
     from d3d.decoding.policy import AutoProposer
-    from d3d.decoding.proposers import Proposal
-
-    class Spec:
-        def start(self, *args, first_len=None):
-            self.first_len = first_len
-
-        def propose(self, tokens):
-            return Proposal(torch.arange(15))
 
     for typical, budget, first_len in ((512, 24, 0), (512, 512, 15), (24, 512, 0)):
         host = _paying_host()
         host.read_s.add(0.001)
         host.answer_len.add(typical)
-        spec = Spec()
+        spec = SpecDouble()
         AutoProposer(spec, host, budget=budget).start(list(range(2000)), SamplingConfig(), None)
         assert spec.first_len == first_len
 
@@ -268,30 +251,12 @@ def test_a_host_that_speculates_still_leaves_a_short_answer_to_a_long_prompt_pla
 def test_auto_starts_no_speculative_run_while_the_drafters_device_reads_a_document():
     """A drafter process shares its core with the document reader: while it reads, a run that
     would start waits (plain steps), and one under way may go on."""
-    import torch
 
     from d3d.decoding.policy import AutoProposer
-    from d3d.decoding.proposers import Proposal
     from d3d.decoding.verify import Acceptance
 
-    class Spec:
-        failed = False
-        speculating = True
-
-        def start(self, *args, first_len=None):
-            self.first_len = first_len
-
-        def propose(self, tokens):
-            return Proposal(torch.arange(15))
-
-        def observe(self, acc, verify_s, next_len=None):
-            self.next_len = next_len
-
-        def close(self):
-            pass
-
     reading = [True]
-    auto = AutoProposer(Spec(), _paying_host(), busy=lambda: reading[0])
+    auto = AutoProposer(SpecDouble(), _paying_host(), busy=lambda: reading[0])
     auto.start([1, 2, 3], SamplingConfig(), None)
     assert auto.next_len == 0, "busy at the start: plain"
     auto.observe(Acceptance(0, [7]), 0.1)
