@@ -23,13 +23,13 @@ Letters: N new tokens of a forward, C a row's capacity, Hkv KV heads, D head dim
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from d3d.model.memory import dtype_bytes, free_bytes, head_dim, kv_bytes_per_token, kv_heads
 from d3d.model.ragged import RaggedCache, Segment
 
 GROW = 64  # capacity is allocated in multiples of this many positions
@@ -65,28 +65,12 @@ class KvRow:
         return self.k[layer][None, :, :n], self.v[layer][None, :, :n]
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token costs in every layer of a model with ``config``."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * size
-
-
 def default_kv_tokens(model, share_cpu: float = 0.25, share_gpu: float = 0.8) -> int:
     """The KV budget when none is given: a share of the device's free memory (after the
     weights are loaded) over the bytes a token costs, at least one model window."""
     p = next(model.parameters())
     per = kv_bytes_per_token(model.config, p.dtype)
-    if p.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(p.device)
-        budget = share_gpu * free
-    else:
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            free = 8 << 30
-        budget = share_cpu * free
+    budget = (share_gpu if p.device.type == "cuda" else share_cpu) * free_bytes(p.device)
     window = getattr(model.config, "max_position_embeddings", 0) or 0
     return max(int(budget // per), window, GROW)
 
@@ -116,16 +100,15 @@ class RowKV(RaggedCache):
     @classmethod
     def for_model(cls, model, max_tokens: int) -> RowKV:
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         p = next(model.parameters())
-        return cls(cfg.num_hidden_layers, kv_heads, head_dim, p.dtype, p.device, max_tokens)
+        return cls(
+            cfg.num_hidden_layers, kv_heads(cfg), head_dim(cfg), p.dtype, p.device, max_tokens
+        )
 
     # -- the budget ----------------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * size
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
 
     @property
     def allocated_bytes(self) -> int:
