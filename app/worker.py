@@ -19,7 +19,6 @@ hold is refused with 413 naming the limit; one that does not fit now waits for r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import queue
@@ -299,11 +298,10 @@ class EngineWorker:
             job = self._reading.get()
             if job is None:
                 return
-            if not spared and self.engine is not None and hasattr(self.engine, "spare_thread"):
+            if not spared:  # jobs arrive only once the engine is loaded
                 self.engine.spare_thread()
                 spared = True
-            reading = getattr(self.engine, "reading", None)
-            with reading() if reading is not None else contextlib.nullcontext():
+            with self.engine.reading():
                 prepared = self._prepare(job)
             if prepared is None:
                 self._count(-1)

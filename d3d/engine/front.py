@@ -195,9 +195,12 @@ class Engine:
             raise DrafterError(f"mode {mode!r} needs a drafter, and none is loaded")
         spec: Proposer | None = None
         if self.drafter is not None:
-            spec = SyncProposer(self.drafter, self.clock)
-            if mode != "sync" and (link := self._link()) is not None:
-                spec = AsyncProposer(link, self.target.vocab_size, clock=self.clock.now)
+            link = self._link() if mode != "sync" else None
+            spec = (
+                AsyncProposer(link, self.target.vocab_size, clock=self.clock.now)
+                if link is not None
+                else SyncProposer(self.drafter, self.clock)
+            )
         if mode in ("sync", "async"):
             assert spec is not None
             return spec
