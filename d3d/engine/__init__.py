@@ -5,7 +5,7 @@
 - :mod:`d3d.engine.drafter_host` the drafter worker's life and the CPU budget it leaves
 - :mod:`d3d.engine.scheduler` ``step()``: admit, propose, verify, accept, emit, read prompts
 - :mod:`d3d.engine.target`    one target forward over rows of different lengths
-- :mod:`d3d.engine.kv`        the target's paged KV pool and its budget
+- :mod:`d3d.engine.kv`        the target's KV, per row, and its budget
 - :mod:`d3d.engine.request`   what callers submit, and the per-row state
 - :mod:`d3d.engine.stream`    one request stepped in the caller's thread (CLI, harnesses, tests)
 """

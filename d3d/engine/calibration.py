@@ -91,7 +91,7 @@ def calibrate(
     switch = on_switch or (lambda _speculating: None)
     vocab = model.get_input_embeddings().num_embeddings
     ctx = [(100 + i) % vocab for i in range(CONTEXT)]
-    # The engine's own forward (paged KV, a batch of one), on a pool of its own.
+    # The engine's own forward (a batch of one), with a KV budget of its own.
     target = BatchTarget(model, CONTEXT + 2 * block_size, clock)
     row = target.kv.open(CONTEXT + block_size)
     switch(False)

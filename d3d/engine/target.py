@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class BatchTarget:
-    """The target model behind a paged KV pool (see the module docstring)."""
+    """The target model and its per-row KV (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel, max_kv_tokens: int, clock: Clock = WALL):
         self.model = model
