@@ -18,7 +18,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from compression.compressor import DEFAULT_SCORER, SCORERS, CompressionConfig, attention_preset
+from compression.compressor import (
+    DEFAULT_SCORER,
+    DRAFTER_SCORERS,
+    SCORERS,
+    CompressionConfig,
+    attention_preset,
+)
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import AttentionScoring
 from compression.qa import QA_TEMPLATE, DocumentQA
@@ -56,7 +62,9 @@ def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
         default=None,
         help="windows read at once (default: the cores torch's threads leave idle; 1 on a GPU)",
     )
-    g.add_argument("--fusion", default=None, help="hybrid weights attention,bm25 (e.g. 1,1)")
+    g.add_argument(
+        "--fusion", default=None, help="attention-bm25 weights attention,bm25 (e.g. 1,1)"
+    )
 
 
 def _heads(text: str) -> tuple[tuple[int, int], ...] | None:
@@ -155,7 +163,7 @@ def _check_questions(args: argparse.Namespace) -> list[str]:
 def cmd_compress(args: argparse.Namespace) -> int:
     document = read_document(args.document)
     questions = _check_questions(args)
-    needs_drafter = args.scorer in ("drafter-attention", "drafter-ppl", "hybrid")
+    needs_drafter = args.scorer in DRAFTER_SCORERS
     qa = document_qa(args, with_drafter=needs_drafter)
     for question in questions:
         comp = qa.compress(qa.parts(document, question))

@@ -26,6 +26,7 @@ from compression.drafter_scorers import (
     DrafterPerplexityScorer,
 )
 from compression.prompt import PromptParts, Tokenizer
+from compression.question_scorer import DrafterQuestionScorer
 from compression.scorers import BM25Scorer, HeadTailScorer, HybridScorer, RandomScorer, Scorer
 from compression.selection import (
     GRANULARITIES,
@@ -40,9 +41,20 @@ from compression.selection import (
 from d3d.model.drafter import D3DDrafter
 from d3d.model.load import DEFAULT_SPECS
 
-SCORERS = ("hybrid", "drafter-attention", "bm25", "head-tail", "random", "drafter-ppl")
-DRAFTER_SCORERS = ("hybrid", "drafter-attention", "drafter-ppl")
-DEFAULT_SCORER = "hybrid"
+SCORERS = (
+    "attention-bm25",
+    "hybrid",
+    "drafter",
+    "drafter-attention",
+    "bm25",
+    "head-tail",
+    "random",
+    "drafter-ppl",
+)
+DRAFTER_SCORERS = ("attention-bm25", "hybrid", "drafter", "drafter-attention", "drafter-ppl")
+ATTENTION_SCORERS = ("attention-bm25", "drafter-attention")  # read with the attention reader
+QUESTION_SCORERS = ("hybrid", "drafter")  # read with the question-likelihood reader
+DEFAULT_SCORER = "attention-bm25"
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,8 @@ class CompressionConfig:
     pooling: str = "mean"
     seed: int = 0
     attention: AttentionScoring | None = None  # None: the preset for the target and drafter
-    fusion_weights: tuple[float, float] = (0.5, 1.0)
+    fusion_weights: tuple[float, float] = (0.5, 1.0)  # attention-bm25: attention, bm25
+    question_fusion: tuple[float, float] = (1.0, 1.0)  # hybrid: drafter, bm25
     fusion_k: float = 20.0
     ppl_layers: int | None = None
     head: float = 0.35  # share of the budget for the document head (calibrated: docs/longbench.md)
@@ -186,30 +199,36 @@ def make_scorer(
     drafter: D3DDrafter | None = None,
     target: PreTrainedModel | None = None,
     attention: DrafterAttentionScorer | None = None,
+    question: DrafterQuestionScorer | None = None,
 ) -> Scorer:
-    """Build the scorer ``cfg.scorer`` names (drafter scorers need ``drafter``; ``attention``:
-    an attention scorer already built, shared instead of building another reader)."""
-    if cfg.scorer in DRAFTER_SCORERS and drafter is None and attention is None:
+    """Build the scorer ``cfg.scorer`` names (drafter scorers need ``drafter``; ``attention``,
+    ``question``: readers already built, shared instead of building another)."""
+    if cfg.scorer in DRAFTER_SCORERS and drafter is None and attention is None and question is None:
         raise ValueError(f"scorer {cfg.scorer!r} needs a drafter")
-    if cfg.scorer in ("drafter-attention", "hybrid"):
-        att = attention or make_attention_scorer(
+    if cfg.scorer in ("hybrid", "attention-bm25", "bm25") and tokenizer is None:
+        raise ValueError(f"scorer {cfg.scorer!r} needs a tokenizer")
+    reader: Scorer | None = None
+    if cfg.scorer in ATTENTION_SCORERS:
+        reader = attention or make_attention_scorer(
             cfg.attention or AttentionScoring(), drafter, target
         )
-        if cfg.scorer == "drafter-attention":
-            return att
-        if tokenizer is None:
-            raise ValueError("scorer 'hybrid' needs a tokenizer")
-        lexical = BM25Scorer(tokenizer, cfg.chunk_size)
-        return HybridScorer(att, lexical, cfg.fusion_weights, cfg.fusion_k, cfg.pooling)
+    elif cfg.scorer in QUESTION_SCORERS:
+        if question is None and tokenizer is None:
+            raise ValueError(f"scorer {cfg.scorer!r} needs a tokenizer")
+        reader = question or DrafterQuestionScorer(drafter, tokenizer)  # type: ignore[arg-type]
+    if cfg.scorer in ("drafter", "drafter-attention"):
+        return reader  # type: ignore[return-value]
+    if reader is not None:  # the hybrids: the drafter's reading fused with BM25
+        lexical = BM25Scorer(tokenizer, cfg.chunk_size)  # type: ignore[arg-type]
+        weights = cfg.fusion_weights if cfg.scorer == "attention-bm25" else cfg.question_fusion
+        return HybridScorer(reader, lexical, weights, cfg.fusion_k, cfg.pooling, cfg.scorer)
     if cfg.scorer == "drafter-ppl":
         return DrafterPerplexityScorer(drafter)  # type: ignore[arg-type]
     if cfg.scorer == "head-tail":
         return HeadTailScorer()
     if cfg.scorer == "random":
         return RandomScorer(cfg.seed, cfg.chunk_size)
-    if tokenizer is None:
-        raise ValueError("scorer 'bm25' needs a tokenizer")
-    return BM25Scorer(tokenizer, cfg.chunk_size)
+    return BM25Scorer(tokenizer, cfg.chunk_size)  # type: ignore[arg-type]
 
 
 def token_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
@@ -240,8 +259,10 @@ class Compressor:
         drafter: D3DDrafter | None = None,
         target: PreTrainedModel | None = None,
         attention: DrafterAttentionScorer | None = None,
+        question: DrafterQuestionScorer | None = None,
     ) -> Compressor:
-        return cls(make_scorer(cfg, tokenizer, drafter, target, attention), cfg, tokenizer)
+        scorer = make_scorer(cfg, tokenizer, drafter, target, attention, question)
+        return cls(scorer, cfg, tokenizer)
 
     def units(self, parts: PromptParts) -> list[Chunk]:
         """The context's units at the configured granularity."""

@@ -39,6 +39,7 @@ class PromptParts:
     prefix: tuple[int, ...]
     context: tuple[int, ...]
     suffix: tuple[int, ...]
+    question: tuple[int, ...] = ()  # the question alone (inside the suffix), for scorers
 
     def __post_init__(self) -> None:
         if not self.suffix:
@@ -52,7 +53,7 @@ class PromptParts:
         return len(self.prefix) + len(self.context) + len(self.suffix)
 
     def with_context(self, context: Sequence[int]) -> PromptParts:
-        return PromptParts(self.prefix, tuple(context), self.suffix)
+        return PromptParts(self.prefix, tuple(context), self.suffix, self.question)
 
 
 def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -84,11 +85,13 @@ def build_parts(
     context: str,
     chat_template: bool = True,
     template_vars: Mapping[str, object] | None = None,
+    question_field: str = "input",
     **fields: str,
 ) -> PromptParts:
     """Tokenise ``template`` filled with ``context`` and ``fields`` into prefix/context/suffix.
 
-    ``template_vars``: further chat-template variables (e.g. ``enable_thinking``)."""
+    ``template_vars``: further chat-template variables (e.g. ``enable_thinking``). The field
+    ``question_field`` (when given) is also tokenised alone, as the parts' ``question``."""
     if "{context}" not in template:
         raise ValueError("the prompt template has no {context} field")
     text = render(
@@ -100,8 +103,12 @@ def build_parts(
         bos = getattr(tokenizer, "bos_token_id", None)
         if bos is not None and getattr(tokenizer, "add_bos_token", False):
             prefix = [int(bos), *prefix]
+    question = encode_text(tokenizer, fields.get(question_field, "").strip())
     return PromptParts(
-        tuple(prefix), tuple(encode_text(tokenizer, context)), tuple(encode_text(tokenizer, tail))
+        tuple(prefix),
+        tuple(encode_text(tokenizer, context)),
+        tuple(encode_text(tokenizer, tail)),
+        tuple(question),
     )
 
 

@@ -23,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from compression.compressor import (
+    ATTENTION_SCORERS,
     DRAFTER_SCORERS,
+    QUESTION_SCORERS,
     Compressed,
     CompressionConfig,
     Compressor,
@@ -33,6 +35,7 @@ from compression.compressor import (
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import DrafterAttentionScorer
 from compression.prompt import PromptParts, build_parts
+from compression.question_scorer import DrafterQuestionScorer
 from d3d.config import DecodeConfig
 from d3d.decoding.stats import DecodeStats
 from d3d.engine import Engine, Generation
@@ -116,6 +119,7 @@ class DocumentQA:
         self.cache = cache if cache is not None else DocumentCache()
         self.template = template
         self._attention: DrafterAttentionScorer | None = None
+        self._question: DrafterQuestionScorer | None = None
         self._compressors: dict[str, Compressor] = {}
         self.lock = threading.RLock()
 
@@ -133,6 +137,13 @@ class DocumentQA:
             self._attention = att
         return self._attention
 
+    def question(self) -> DrafterQuestionScorer:
+        """The one question-likelihood reader (built on first use), wired to the document cache."""
+        if self._question is None:
+            self._question = DrafterQuestionScorer(self.engine.drafter, self.tokenizer)
+            self._question.cache = self.cache
+        return self._question
+
     def compressor(self, scorer: str | None = None) -> Compressor:
         """The compressor for ``scorer`` (default: the configured one), built once."""
         name = scorer or self.cfg.scorer
@@ -140,9 +151,10 @@ class DocumentQA:
             cfg = replace(self.cfg, scorer=name)
             if name in DRAFTER_SCORERS and self.engine.drafter is None:
                 raise ValueError(f"scorer {name!r} needs a drafter")
-            shared = self.attention() if name in ("drafter-attention", "hybrid") else None
+            att = self.attention() if name in ATTENTION_SCORERS else None
+            question = self.question() if name in QUESTION_SCORERS else None
             self._compressors[name] = Compressor.build(
-                cfg, self.tokenizer, self.engine.drafter, self.engine.target.model, shared
+                cfg, self.tokenizer, self.engine.drafter, self.engine.target.model, att, question
             )
         return self._compressors[name]
 
@@ -179,7 +191,7 @@ class DocumentQA:
         unless the reader runs the target's own layer modules (the query pass switches their
         attention implementation, which the target's forward must not see)."""
         name = scorer or self.cfg.scorer
-        if name not in ("drafter-attention", "hybrid"):
+        if name not in ATTENTION_SCORERS:
             return True
         reader = {id(p) for p in self.attention().model.lm.model.layers.parameters()}
         return not any(id(p) in reader for p in self.engine.target.model.parameters())
@@ -200,7 +212,10 @@ class DocumentQA:
     def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:
         """Whether the reader's pass over this document is in the cache."""
         name = scorer or self.cfg.scorer
-        if name not in ("drafter-attention", "hybrid") or self._attention is None:
+        if name in QUESTION_SCORERS and self._question is not None:
+            units = self.compressor(name).units(parts)
+            return self._question.reading_key(parts, units) in self.cache
+        if name not in ATTENTION_SCORERS or self._attention is None:
             return False
         return self._attention.reading_key(parts) in self.cache
 

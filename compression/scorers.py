@@ -12,8 +12,10 @@ Baselines here:
 - ``random``: seeded uniform unit scores.
 - ``bm25``: Okapi BM25 of each unit's words against the question's words, the units of the
   context being the corpus (k1 = 1.5, b = 0.75).
-- ``hybrid``: drafter attention and BM25 fused by weighted reciprocal rank fusion per unit
-  (the attention scorer is passed in; it lives in :mod:`compression.drafter_scorers`).
+- :class:`HybridScorer`: a drafter scorer and BM25 fused by weighted reciprocal rank fusion per
+  unit (the drafter scorer is passed in: ``hybrid`` fuses the question likelihood of
+  :mod:`compression.question_scorer`, ``attention-bm25`` the attention of
+  :mod:`compression.drafter_scorers`).
 """
 
 from __future__ import annotations
@@ -201,11 +203,11 @@ def rank_fusion(
 
 
 class HybridScorer:
-    """Drafter attention fused with BM25 by weighted reciprocal rank fusion, per unit.
+    """A drafter scorer fused with BM25 by weighted reciprocal rank fusion, per unit.
 
-    The attention scorer's token scores are pooled per unit (``pooling``) and ranked; BM25 ranks
-    the units that share words with the question. Attention scores are positive (softmax
-    weights), so every unit gets an attention rank.
+    The drafter scorer's token scores are pooled per unit (``pooling``) and ranked; BM25 ranks
+    the units that share words with the question. The drafter component must score every unit
+    above 0 to rank it (attention weights are; a log-likelihood is shifted to be).
     """
 
     name = "hybrid"
@@ -218,7 +220,9 @@ class HybridScorer:
         weights: tuple[float, float] = (1.0, 1.0),
         k: float = 20.0,
         pooling: str = "mean",
+        name: str = "hybrid",
     ):
+        self.name = name
         self.attention = attention
         self.lexical = lexical
         self.weights = weights
@@ -228,5 +232,6 @@ class HybridScorer:
     def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
         units = units if units is not None else fixed_chunks(len(parts.context), 32)
         att = pool(self.attention.score(parts, units), units, self.pooling)
+        att = att - att.min() + 1.0  # every unit ranked (log-likelihoods are negative)
         lex = self.lexical.unit_scores(parts, units)
         return spread(rank_fusion([att, lex], self.weights, self.k), units)

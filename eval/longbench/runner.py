@@ -247,8 +247,8 @@ def evidence_kept(item: Item, kept_text: str | None, full_text: str | None = Non
     string either, so there is no evidence to keep."""
     if kept_text is None:
         return None
-    if "needle" in item.meta:
-        return item.meta["needle"] in kept_text
+    if "needle" in item.meta:  # whole, case and spacing aside (a fact may open a sentence)
+        return " ".join(item.meta["needle"].split()).lower() in " ".join(kept_text.split()).lower()
     answers = [a.lower() for a in item.answers if a.strip()]
     if full_text is not None and not any(a in full_text.lower() for a in answers):
         return None

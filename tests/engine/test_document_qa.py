@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from compression.compressor import CompressionConfig
+from compression.compressor import DEFAULT_SCORER, CompressionConfig
 from compression.drafter_scorers import AttentionScoring
 from compression.qa import DocumentQA, Timings
 from d3d.config import DecodeConfig
@@ -25,7 +25,7 @@ def test_second_question_reuses_the_reading_and_compressors_are_built_once():
     first, second = qa.answer_all(DOC, ["where is the key?", "what barks?"], dcfg, 0.2)
     assert not first.cached and second.cached
     assert qa.cache.stats()["hits"] >= 1 and len(qa.cache) == 1
-    assert qa.compressor() is qa.compressor("hybrid")
+    assert qa.compressor() is qa.compressor(DEFAULT_SCORER)
     assert qa.compressor("drafter-attention").scorer is qa.attention()  # one shared reader
     for r in (first, second):
         t = r.timings

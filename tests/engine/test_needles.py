@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from compression.compressor import CompressionConfig, Compressor
+from compression.compressor import DEFAULT_SCORER, CompressionConfig, Compressor
 from compression.drafter_scorers import AttentionScoring
 from compression.prompt import build_parts
 from compression.qa import QA_TEMPLATE
@@ -122,8 +122,8 @@ def test_default_compressor_keeps_every_needle_whole_where_fixed_chunks_cut_some
         build_parts(tok, QA_TEMPLATE, text, input=question)
     target = tiny_model("llama", seed=0, vocab=len(tok.texts) + 1, layers=2, window=8192)
     drafter = D3DDrafter.from_target(target, 2)
-    default = CompressionConfig(attention=AttentionScoring())  # hybrid, packed units
-    assert default.scorer == "hybrid" and default.granularity == "packed"
+    default = CompressionConfig(attention=AttentionScoring())  # the default scorer, packed units
+    assert default.scorer == DEFAULT_SCORER and default.granularity == "packed"
     hybrid = Compressor.build(default, tok, drafter, target)
     chunked = Compressor.build(CompressionConfig("bm25", granularity="chunk"), tok)
     cut = 0
@@ -157,7 +157,7 @@ def test_qa_answers_every_needle_at_keep_02_and_keeps_them_whole_at_01(haystack,
     kept = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for (needle, _, _), row in zip(NEEDLES, kept, strict=True):
         assert needle in row["kept_text"], needle
-        assert row["compression"]["scorer"] == "hybrid"
+        assert row["compression"]["scorer"] == DEFAULT_SCORER
     assert main(["qa", *common, "--keep", "0.2", "--max-new-tokens", "24"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for (_, question, answer), row in zip(NEEDLES, rows, strict=True):

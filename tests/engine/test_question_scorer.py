@@ -1,0 +1,107 @@
+"""The ``drafter`` scorer (question likelihood per unit) on tiny random Llama / Qwen3 drafters.
+
+Its batched, cached two-pass reading must give, for every unit, exactly the mean log-likelihood
+of the question that one plain forward over ``[unit, lead, question]`` gives; a second question
+about the same document must not read the units again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compression.compressor import CompressionConfig, Compressor, make_scorer
+from compression.doc_cache import DocumentCache
+from compression.prompt import PromptParts
+from compression.question_scorer import DrafterQuestionScorer
+from compression.selection import Chunk
+from d3d.model.drafter import D3DDrafter
+from tests.conftest import tiny_model
+
+VOCAB = 101
+
+
+class IdTokenizer:
+    """Text is space-separated token ids (enough for the lead's encoding)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [5, 6]}  # the lead: two fixed ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+    def batch_decode(self, batch) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+
+def drafter(kind: str) -> D3DDrafter:
+    target = tiny_model(kind, seed=0, vocab=VOCAB, layers=3, tie=False, window=512)
+    return D3DDrafter.from_target(target, 3).eval()
+
+
+def parts_and_units(n: int = 90, question: tuple[int, ...] = (40, 41, 42, 43, 44)):
+    g = torch.Generator().manual_seed(2)
+    ctx = tuple(torch.randint(7, VOCAB, (n,), generator=g).tolist())
+    units = [Chunk(0, 7), Chunk(7, 30), Chunk(30, 31), Chunk(31, 60), Chunk(60, n)]
+    return PromptParts((1, 2), ctx, (70, 71, *question), question), units
+
+
+def reference(d: D3DDrafter, context, unit: Chunk, lead, question) -> float:
+    ids = torch.tensor([[*context[unit.start : unit.end], *lead, *question]])
+    with torch.no_grad():
+        logits = d.lm(input_ids=ids).logits[0].float()
+    start = len(unit) + len(lead) - 1
+    logp = torch.log_softmax(logits[start : start + len(question)], -1)
+    return float(logp.gather(1, torch.tensor(question)[:, None]).mean())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("group", [1, 2, 64])
+def test_batched_cached_scores_equal_one_plain_forward_per_unit(kind, group):
+    d = drafter(kind)
+    scorer = DrafterQuestionScorer(d, IdTokenizer(), group=group, workers=1)
+    parts, units = parts_and_units()
+    got = scorer.unit_scores(parts, units)
+    want = [reference(d, parts.context, u, scorer.lead, parts.question) for u in units]
+    assert torch.allclose(got, torch.tensor(want), atol=1e-4), (got, want)
+
+
+def test_second_question_reuses_the_reading_and_leaves_it_intact():
+    d = drafter("llama")
+    scorer = DrafterQuestionScorer(d, IdTokenizer(), group=2, workers=1)
+    scorer.cache = DocumentCache()
+    parts, units = parts_and_units()
+    first = scorer.unit_scores(parts, units)
+    reads = []
+    original = scorer.read_group
+    scorer.read_group = lambda *a: reads.append(a) or original(*a)  # type: ignore[method-assign]
+    other = PromptParts(parts.prefix, parts.context, (70, 9, 8, 7), (9, 8, 7))
+    second = scorer.unit_scores(other, units)
+    again = scorer.unit_scores(parts, units)
+    assert reads == []  # both answered from the cached reading
+    want = [reference(d, parts.context, u, scorer.lead, other.question) for u in units]
+    assert torch.allclose(second, torch.tensor(want), atol=1e-4)
+    assert torch.allclose(again, first, atol=1e-5)  # the question's KV was cut off again
+    scorer._last = None  # not the memo: the cache itself
+    assert torch.allclose(scorer.unit_scores(parts, units), first, atol=1e-5)
+
+
+def test_without_a_question_it_reads_the_suffix_and_the_compressor_keeps_the_budget():
+    d = drafter("llama")
+    parts, _ = parts_and_units()
+    bare = PromptParts(parts.prefix, parts.context, parts.suffix)
+    scorer = DrafterQuestionScorer(d, IdTokenizer(), workers=1)
+    assert scorer.question_ids(bare) == parts.suffix
+    comp = Compressor(scorer, CompressionConfig("drafter", granularity="chunk", chunk_size=16))
+    out = comp.compress(bare, 0.2)
+    assert 0 < len(out.kept) <= round(0.2 * len(parts.context))
+
+
+def test_hybrid_and_drafter_scorers_are_built_from_the_registry():
+    d = drafter("llama")
+    tok = IdTokenizer()
+    assert make_scorer(CompressionConfig("drafter"), tok, d).name == "drafter"
+    hybrid = make_scorer(CompressionConfig("hybrid"), tok, d)
+    assert hybrid.name == "hybrid" and isinstance(hybrid.attention, DrafterQuestionScorer)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        make_scorer(CompressionConfig("drafter"), tok)
