@@ -22,7 +22,7 @@ from compression.compressor import DEFAULT_SCORER, SCORERS, CompressionConfig, a
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import AttentionScoring
 from compression.qa import QA_TEMPLATE, DocumentQA
-from compression.selection import GRANULARITIES
+from compression.units import GRANULARITIES
 from d3d.cli import add_decode_args, add_model_args, decode_config, model_config
 
 

@@ -27,16 +27,8 @@ from compression.drafter_scorers import (
 )
 from compression.prompt import PromptParts, Tokenizer
 from compression.scorers import BM25Scorer, HeadTailScorer, HybridScorer, RandomScorer, Scorer
-from compression.selection import (
-    GRANULARITIES,
-    Chunk,
-    budget,
-    fixed_chunks,
-    head_units,
-    pool,
-    segment,
-    select,
-)
+from compression.selection import budget, head_units, pool, select
+from compression.units import GRANULARITIES, Chunk, fixed_chunks, segment
 from d3d.model.drafter import D3DDrafter
 from d3d.model.load import DEFAULT_SPECS
 

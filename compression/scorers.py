@@ -27,7 +27,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from compression.prompt import PromptParts, Tokenizer
-from compression.selection import Chunk, fixed_chunks, pool, spread
+from compression.selection import pool, spread
+from compression.units import Chunk, fixed_chunks
 
 WORD = re.compile(r"\w+", re.UNICODE)
 STOPWORDS = frozenset(

@@ -32,7 +32,7 @@ from compression.compressor import DEFAULT_SCORER, CompressionConfig, ContextSco
 from compression.doc_cache import DocumentCache
 from compression.prompt import PromptParts
 from compression.qa import DocumentQA, Timings
-from compression.selection import Chunk
+from compression.units import Chunk
 from d3d.config import MODES, DecodeConfig
 from d3d.engine import Engine
 from eval.longbench import metrics

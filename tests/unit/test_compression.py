@@ -19,18 +19,8 @@ from compression.scorers import (
     rank_fusion,
     words,
 )
-from compression.selection import (
-    Chunk,
-    budget,
-    fixed_chunks,
-    head_units,
-    packed_chunks,
-    pool,
-    segment,
-    select,
-    sentence_chunks,
-    smooth,
-)
+from compression.selection import budget, head_units, pool, select, smooth
+from compression.units import Chunk, fixed_chunks, packed_chunks, segment, sentence_chunks
 
 
 class CharTokenizer:
