@@ -28,7 +28,7 @@ from compression.drafter_scorers import (
 from compression.prompt import PromptParts, Tokenizer
 from compression.scorers import BM25Scorer, HeadTailScorer, HybridScorer, RandomScorer, Scorer
 from compression.selection import budget, head_units, pool, select
-from compression.units import GRANULARITIES, Chunk, fixed_chunks, segment
+from compression.units import GRANULARITIES, Chunk, fixed_chunks, max_unit, segment
 from d3d.model.drafter import D3DDrafter
 from d3d.model.load import DEFAULT_SPECS
 
@@ -290,6 +290,7 @@ class Compressor:
                 n_keep,
                 self.cfg.neighbours,
                 cut_last=self.cfg.granularity == "chunk",
+                finish=max_unit(self.cfg.granularity, self.cfg.chunk_size),
             )
         out = parts.with_context([parts.context[i] for i in kept])
         seconds = scored.seconds + time.perf_counter() - t0

@@ -7,9 +7,15 @@ indices in original order.
 
 Selection keeps units best first and never cuts one: a unit that no longer fits is skipped and
 the next best that fits is taken, so the kept count is the budget or a little under it (less
-than one unit). ``neighbours=w`` extends each chosen unit by up to ``w`` units on each side while
-the budget allows, before the next-ranked unit is considered: an answer sentence then comes
-with its surroundings.
+than one unit). Before the next-ranked unit is considered, a chosen unit is extended:
+
+- ``finish=f``: a unit that ends mid-sentence (a piece of a long sentence,
+  :attr:`~compression.units.Chunk.mid_sentence`) brings the units up to its sentence's end when
+  all of them fit the budget and hold at most ``f`` tokens. A fact that opens a run-on sentence
+  then comes with the rest of it; a longer rest is not the sentence's tail but more text (in a
+  document without sentence ends it would be the rest of the document), and is left to rank.
+- ``neighbours=w``: up to ``w`` units on each side while the budget allows: an answer sentence
+  then comes with its surroundings.
 """
 
 from __future__ import annotations
@@ -74,12 +80,13 @@ def select(
     n_keep: int,
     neighbours: int = 0,
     cut_last: bool = False,
+    finish: int = 0,
 ) -> list[int]:
     """Indices of kept context tokens, ascending: best units first, at most ``n_keep`` tokens.
 
     Units are never cut (``cut_last=True``: the first one that does not fit is cut to its head
     and selection stops, the fixed-chunk rule that fills the budget exactly). Ties go to the
-    earlier unit; NaN scores rank last. ``neighbours``: see the module docstring.
+    earlier unit; NaN scores rank last. ``finish``, ``neighbours``: see the module docstring.
     """
     if len(chunk_scores) != len(chunks):
         raise ValueError("one score per chunk expected")
@@ -98,6 +105,16 @@ def select(
         left -= len(chunks[j])
         return True
 
+    def finish_sentence(j: int) -> None:
+        rest, n = [], 0
+        while chunks[j].mid_sentence and j + 1 < len(chunks) and n <= finish:
+            j += 1
+            rest.append(j)
+            n += len(chunks[j])
+        if n <= finish and sum(len(chunks[k]) for k in rest if not taken[k]) <= left:
+            for k in rest:
+                take(k)
+
     for j in order:
         if left <= 0:
             break
@@ -109,6 +126,8 @@ def select(
                 kept.extend(range(c.start, c.start + left))
                 break
             continue
+        if finish:
+            finish_sentence(j)
         for d in range(1, neighbours + 1):
             for k in (j - d, j + d):
                 if 0 <= k < len(chunks):

@@ -185,7 +185,7 @@ class Sweep:
             self.qa.cache.clear()  # each scorer pays its own document pass
             got = self.qa.compressor(scorer).score(parts)
             path.parent.mkdir(exist_ok=True)
-            units = [(u.start, u.end) for u in got.units]
+            units = [(u.start, u.end, u.mid_sentence) for u in got.units]
             torch.save({"scores": got.scores, "seconds": got.seconds, "units": units}, path)
         self._scores = {k: v for k, v in self._scores.items() if k[0] == item.id}
         self._scores[key] = got

@@ -1,4 +1,4 @@
-"""Units on messy text (one line, run-on sentences).
+"""Units on messy text (one line, run-on sentences) and selection that finishes a sentence.
 
 The messy document (:mod:`eval.longbench.messy`) is tokenised with the real Qwen3 tokenizer;
 everything else is pure and takes milliseconds.
@@ -9,9 +9,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from compression.compressor import CompressionConfig, Compressor, token_texts
 from compression.prompt import build_parts
+from compression.selection import select
 from compression.units import Chunk, packed_chunks, segment, sentence_chunks
 from eval.longbench.messy import FACTS, fact_kept, messy_items
 
@@ -124,3 +126,20 @@ def test_packed_units_are_whole_sentences_or_pieces_of_one():
     texts = short + long + short
     units = packed_chunks(texts, size=12)
     assert units == [Chunk(0, 5), Chunk(5, 15, True), Chunk(15, 24), Chunk(24, 29)]
+
+
+def test_select_brings_the_end_of_a_chosen_units_sentence():
+    # sentence A: units 0-2 (0 and 1 end mid-sentence); sentence B: unit 3
+    units = [Chunk(0, 4, True), Chunk(4, 8, True), Chunk(8, 12), Chunk(12, 16)]
+    scores = torch.tensor([0.0, 1.0, 0.0, 0.5])
+    assert select(scores, units, 8, finish=8) == list(range(4, 12))  # 1 brings 2
+    assert select(scores, units, 12, finish=8) == list(range(4, 16))  # then the next best
+    # the rest does not fit the budget: the unit alone, and the budget goes on down the ranking
+    assert select(scores, units, 7, finish=8) == list(range(4, 8))
+    # the rest is longer than ``finish``: not a sentence's tail but more text
+    assert select(scores, units, 8, finish=3) == [*range(4, 8), *range(12, 16)]
+    assert select(scores, units, 8) == [*range(4, 8), *range(12, 16)]  # finish=0: off
+    # a chosen unit that already ends its sentence brings nothing
+    assert select(torch.tensor([0.0, 0.0, 0.0, 1.0]), units, 4, finish=8) == list(range(12, 16))
+    # the head of a sentence chosen first pulls the whole sentence's rest
+    assert select(torch.tensor([1.0, 0.0, 0.0, 0.5]), units, 12, finish=8) == list(range(12))
