@@ -8,8 +8,9 @@ by every request) and runs on the engine worker's reader thread only, with a tok
 own modules, so the engine thread decodes meanwhile).
 
 Kept spans are character offsets into the document: the document is tokenised once more with
-offsets (the same call compression makes, plus ``return_offsets_mapping``), and runs of kept
-context tokens become ``[start, end)`` ranges.
+offsets (the same call compression makes, plus ``return_offsets_mapping``), and the kept runs
+(``Compressed.spans``: the pieces of the kept prompt between its gap markers) become
+``[start, end)`` ranges.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ def scorers() -> tuple[str, ...]:
     return tuple(SCORERS)
 
 
-def kept_spans(offsets: Sequence[tuple[int, int]], kept: Sequence[int]) -> list[list[int]]:
-    """Merge kept token indices into character ranges ``[start, end)`` (touching ranges join)."""
+def kept_spans(
+    offsets: Sequence[tuple[int, int]], runs: Sequence[tuple[int, int]]
+) -> list[list[int]]:
+    """Kept token runs ``[a, b)`` as character ranges ``[start, end)`` (touching ranges join)."""
     spans: list[list[int]] = []
-    for i in sorted(kept):
-        start, end = offsets[i]
+    for a, b in runs:
+        start, end = offsets[a][0], offsets[b - 1][1]
         if spans and start <= spans[-1][1]:
             spans[-1][1] = max(spans[-1][1], end)
         else:
@@ -81,7 +84,7 @@ class Documents:
         # Spans need compression's tokens to be the offset tokens (true when it tokenises the
         # document alone, as today); otherwise the page shows no highlight rather than a wrong one.
         info["kept_spans"] = (
-            kept_spans(offsets, comp.kept) if comp.context_tokens == len(offsets) else []
+            kept_spans(offsets, comp.spans) if comp.context_tokens == len(offsets) else []
         )
         info["document_chars"] = len(document)
         shared = comp.shared_prefix if comp.head else 0

@@ -1,10 +1,11 @@
 """Prompt compression: score a prompt's context and keep the part that matters.
 
 A prompt is split into prefix (instruction) / context (the document) / suffix (the question);
-only the context is cut. Scorers (:mod:`compression.scorers`, :mod:`compression.drafter_scorers`)
-share one interface and one selection rule (:mod:`compression.selection`), so they differ only in
-what they rank; :mod:`compression.compressor` ties them together and :mod:`compression.qa`
-answers questions about documents with the engine.
+only the context is cut, in units (:mod:`compression.units`). Scorers (:mod:`compression.scorers`,
+:mod:`compression.drafter_scorers`) share one interface and one selection rule
+(:mod:`compression.selection`), so they differ only in what they rank;
+:mod:`compression.compressor` ties them together and :mod:`compression.qa` answers questions
+about documents with the engine.
 """
 
 from compression.compressor import (

@@ -27,8 +27,9 @@ from compression.compressor import (
 )
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import AttentionScoring
+from compression.gaps import GAPS
 from compression.qa import QA_TEMPLATE, DocumentQA
-from compression.selection import GRANULARITIES
+from compression.units import GRANULARITIES
 from d3d.cli import add_decode_args, add_model_args, decode_config, model_config
 
 
@@ -40,6 +41,12 @@ def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
     g.add_argument("--chunk-size", type=int, default=32, help="tokens per unit (packed, chunk)")
     g.add_argument("--granularity", default="packed", choices=list(GRANULARITIES))
     g.add_argument("--neighbours", type=int, default=0, help="units kept around a chosen one")
+    g.add_argument(
+        "--gap",
+        default=CompressionConfig.gap,
+        choices=list(GAPS),
+        help="what marks a cut between kept runs: ' ... ', a newline, or nothing",
+    )
     g.add_argument(
         "--head",
         type=float,
@@ -120,6 +127,7 @@ def compression_config(
         chunk_size=args.chunk_size,
         granularity=args.granularity,
         neighbours=args.neighbours,
+        gap=args.gap,
         head=args.head,
         seed=args.random_seed,
         attention=attention_config(args, attention_preset(target_spec, drafter)),

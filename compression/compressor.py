@@ -6,7 +6,10 @@ keep ratios scores each prompt once and charges the scoring time to every ratio.
 ``Compressor.compress`` does both. Keep ratio 1.0 skips the scorer and returns the prompt as is.
 
 The instruction (prefix) and the question (suffix) are always kept whole; the budget applies to
-context tokens: ``round(keep_ratio * len(context))``.
+context tokens: ``round(keep_ratio * len(context))``. The kept context the target reads is the
+kept runs in document order with a marker at each cut (:mod:`compression.gaps`):
+``Compressed.parts`` is that prompt, ``Compressed.kept`` the kept indices into the original
+context and ``Compressed.spans`` its kept runs.
 """
 
 from __future__ import annotations
@@ -25,19 +28,12 @@ from compression.drafter_scorers import (
     DrafterAttentionScorer,
     DrafterPerplexityScorer,
 )
+from compression.gaps import GAPS, GapMarker, runs
 from compression.prompt import PromptParts, Tokenizer
 from compression.question_scorer import DrafterQuestionScorer
 from compression.scorers import BM25Scorer, HeadTailScorer, HybridScorer, RandomScorer, Scorer
-from compression.selection import (
-    GRANULARITIES,
-    Chunk,
-    budget,
-    fixed_chunks,
-    head_units,
-    pool,
-    segment,
-    select,
-)
+from compression.selection import budget, head_units, pool, select
+from compression.units import GRANULARITIES, Chunk, fixed_chunks, max_unit, segment
 from d3d.model.drafter import D3DDrafter
 from d3d.model.load import DEFAULT_SPECS
 
@@ -74,6 +70,7 @@ class CompressionConfig:
     fusion_k: float = 20.0
     ppl_layers: int | None = None
     head: float = 0.35  # share of the budget for the document head (calibrated: docs/longbench.md)
+    gap: str = "ellipsis"  # what marks a cut in the kept context (compression.gaps.GAPS)
 
     def __post_init__(self) -> None:
         if self.scorer not in SCORERS:
@@ -94,6 +91,8 @@ class CompressionConfig:
             raise ValueError(f"head share must be in [0, 1), got {self.head}")
         if self.pooling not in ("mean", "max"):
             raise ValueError(f"pooling must be mean or max, got {self.pooling!r}")
+        if self.gap not in GAPS:
+            raise ValueError(f"gap must be one of {', '.join(GAPS)}, got {self.gap!r}")
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,10 @@ class ContextScores:
 
 @dataclass(frozen=True)
 class Compressed:
-    """A compressed prompt and what compression did."""
+    """A compressed prompt and what compression did.
+
+    ``parts``: the prompt the target reads (kept runs joined by gap markers); ``kept``: the kept
+    indices into the original context."""
 
     parts: PromptParts
     kept: tuple[int, ...]
@@ -127,6 +129,11 @@ class Compressed:
         return len(self.parts)
 
     @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The kept runs ``[start, end)`` of the original context, in order."""
+        return tuple(runs(self.kept))
+
+    @property
     def context_tokens(self) -> int:
         return self.total_tokens - len(self.parts.prefix) - len(self.parts.suffix)
 
@@ -136,6 +143,7 @@ class Compressed:
             "kept_tokens": self.kept_tokens,
             "context_tokens": self.context_tokens,
             "kept_context_tokens": len(self.kept),
+            "marker_tokens": len(self.parts.context) - len(self.kept),
             "keep_ratio": self.keep_ratio,
             "scorer": self.scorer,
             "seconds": round(self.seconds, 4),
@@ -247,6 +255,7 @@ class Compressor:
         self.scorer = scorer
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.gap = GapMarker(cfg.gap, tokenizer)
         # A document's units do not depend on the question: the next question about it (and
         # the sweep's other keep ratios) skip decoding every token again (~30 ms at 4k).
         self._segment = functools.lru_cache(maxsize=8)(self._segment_uncached)
@@ -319,8 +328,9 @@ class Compressor:
                 n_keep,
                 self.cfg.neighbours,
                 cut_last=self.cfg.granularity == "chunk",
+                finish=max_unit(self.cfg.granularity, self.cfg.chunk_size),
             )
-        out = parts.with_context([parts.context[i] for i in kept])
+        out = parts.with_context(self.gap.join(parts, kept))
         seconds = scored.seconds + time.perf_counter() - t0
         return Compressed(out, tuple(kept), len(parts), self.scorer.name, ratio, seconds, head)
 

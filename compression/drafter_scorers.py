@@ -54,7 +54,8 @@ from compression.reading import (
     stop_after_caching,
     windows,
 )
-from compression.selection import Chunk, smooth
+from compression.selection import smooth
+from compression.units import Chunk
 from d3d.config import DEFAULT_BLOCK_SIZE
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter

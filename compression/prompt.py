@@ -103,7 +103,8 @@ def build_parts(
         bos = getattr(tokenizer, "bos_token_id", None)
         if bos is not None and getattr(tokenizer, "add_bos_token", False):
             prefix = [int(bos), *prefix]
-    question = encode_text(tokenizer, fields.get(question_field, "").strip())
+    asked = fields.get(question_field, "").strip()  # as it follows "Question:" in a prompt
+    question = encode_text(tokenizer, " " + asked) if asked else []
     return PromptParts(
         tuple(prefix),
         tuple(encode_text(tokenizer, context)),

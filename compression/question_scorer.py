@@ -41,12 +41,13 @@ from compression.doc_cache import DocumentCache, DocumentReading, WindowCache, c
 from compression.prompt import PromptParts, Tokenizer, encode_text
 from compression.reader_model import quantized_copy, weights_id
 from compression.reading import parallel_map, reader_workers
-from compression.selection import Chunk, fixed_chunks, spread
+from compression.selection import spread
+from compression.units import Chunk, fixed_chunks
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
 from d3d.model.hf import trim_cache
 
-LEAD = "\n\nQuestion: "
+LEAD = "\n\nQuestion:"  # the question's ids start with their space
 SUFFIX_TAIL = 64  # question tokens taken from the suffix's end when the parts carry no question
 
 

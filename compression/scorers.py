@@ -29,7 +29,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from compression.prompt import PromptParts, Tokenizer
-from compression.selection import Chunk, fixed_chunks, pool, spread
+from compression.selection import pool, spread
+from compression.units import Chunk, fixed_chunks
 
 WORD = re.compile(r"\w+", re.UNICODE)
 STOPWORDS = frozenset(
@@ -232,6 +233,7 @@ class HybridScorer:
     def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
         units = units if units is not None else fixed_chunks(len(parts.context), 32)
         att = pool(self.attention.score(parts, units), units, self.pooling)
-        att = att - att.min() + 1.0  # every unit ranked (log-likelihoods are negative)
+        if att.numel() and att.min() <= 0:  # log-likelihoods: shift so every unit is ranked
+            att = att - att.min() + 1.0
         lex = self.lexical.unit_scores(parts, units)
         return spread(rank_fusion([att, lex], self.weights, self.k), units)

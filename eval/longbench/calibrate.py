@@ -29,7 +29,8 @@ from compression.compressor import SCORERS, CompressionConfig, Compressor, make_
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import AttentionScoring, DrafterAttentionScorer
 from compression.prompt import PromptParts
-from compression.selection import fixed_chunks, pool
+from compression.selection import pool
+from compression.units import fixed_chunks
 from eval.longbench.data import Item
 from eval.longbench.offline import needle_items, nq_multidoc
 from eval.longbench.prompts import item_parts

@@ -32,7 +32,7 @@ from compression.compressor import DEFAULT_SCORER, CompressionConfig, ContextSco
 from compression.doc_cache import DocumentCache
 from compression.prompt import PromptParts
 from compression.qa import DocumentQA, Timings
-from compression.selection import Chunk
+from compression.units import Chunk
 from d3d.config import MODES, DecodeConfig
 from d3d.engine import Engine
 from eval.longbench import metrics
@@ -185,7 +185,7 @@ class Sweep:
             self.qa.cache.clear()  # each scorer pays its own document pass
             got = self.qa.compressor(scorer).score(parts)
             path.parent.mkdir(exist_ok=True)
-            units = [(u.start, u.end) for u in got.units]
+            units = [(u.start, u.end, u.mid_sentence) for u in got.units]
             torch.save({"scores": got.scores, "seconds": got.seconds, "units": units}, path)
         self._scores = {k: v for k, v in self._scores.items() if k[0] == item.id}
         self._scores[key] = got

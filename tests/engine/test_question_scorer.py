@@ -14,7 +14,7 @@ from compression.compressor import CompressionConfig, Compressor, make_scorer
 from compression.doc_cache import DocumentCache
 from compression.prompt import PromptParts
 from compression.question_scorer import DrafterQuestionScorer
-from compression.selection import Chunk
+from compression.units import Chunk
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 
@@ -92,7 +92,9 @@ def test_without_a_question_it_reads_the_suffix_and_the_compressor_keeps_the_bud
     bare = PromptParts(parts.prefix, parts.context, parts.suffix)
     scorer = DrafterQuestionScorer(d, IdTokenizer(), workers=1)
     assert scorer.question_ids(bare) == parts.suffix
-    comp = Compressor(scorer, CompressionConfig("drafter", granularity="chunk", chunk_size=16))
+    comp = Compressor(
+        scorer, CompressionConfig("drafter", granularity="chunk", chunk_size=16, gap="none")
+    )
     out = comp.compress(bare, 0.2)
     assert 0 < len(out.kept) <= round(0.2 * len(parts.context))
 

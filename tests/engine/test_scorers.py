@@ -230,6 +230,7 @@ def test_compressor_with_drafter_scorers_keeps_budget_and_order(name):
         scorer=name,
         chunk_size=8,
         granularity="chunk",
+        gap="none",  # no tokenizer: the kept ids joined as they are
         attention=AttentionScoring(layers=2, lookahead=True),
     )
     comp = Compressor.build(cfg, drafter=drafter, target=target)

@@ -19,18 +19,8 @@ from compression.scorers import (
     rank_fusion,
     words,
 )
-from compression.selection import (
-    Chunk,
-    budget,
-    fixed_chunks,
-    head_units,
-    packed_chunks,
-    pool,
-    segment,
-    select,
-    sentence_chunks,
-    smooth,
-)
+from compression.selection import budget, head_units, pool, select, smooth
+from compression.units import Chunk, fixed_chunks, packed_chunks, segment, sentence_chunks
 
 
 class CharTokenizer:
@@ -157,7 +147,7 @@ def test_compressor_keeps_prefix_and_suffix_and_budget():
     parts = parts_of(100)
     scores = [0.0] * 100
     scores[40:48] = [5.0] * 8
-    cfg = CompressionConfig(scorer="random", chunk_size=8, granularity="chunk")
+    cfg = CompressionConfig(scorer="random", chunk_size=8, granularity="chunk", gap="none")
     comp = Compressor(FixedScorer(scores), cfg)
     out = comp.compress(parts, 0.08)
     assert out.parts.prefix == parts.prefix and out.parts.suffix == parts.suffix
@@ -173,7 +163,7 @@ def test_compressor_keeps_prefix_and_suffix_and_budget():
 
 def test_compressor_checks_scorer_shape():
     comp = Compressor(
-        FixedScorer([1.0, 2.0]), CompressionConfig(scorer="random", granularity="chunk")
+        FixedScorer([1.0, 2.0]), CompressionConfig("random", granularity="chunk", gap="none")
     )
     with pytest.raises(RuntimeError):
         comp.compress(parts_of(10), 0.5)
@@ -187,6 +177,7 @@ def test_compressor_checks_scorer_shape():
         {"keep_ratio": 1.2},
         {"chunk_size": 0},
         {"granularity": "page"},
+        {"gap": "dots"},
         {"pooling": "median"},
         {"neighbours": -1},
         {"fusion_weights": (1.0, -1.0)},
@@ -199,7 +190,7 @@ def test_compression_config_rejects_bad_values(kwargs):
 
 def test_head_tail_matches_longbench_truncation():
     parts = parts_of(20)
-    cfg = CompressionConfig(scorer="head-tail", chunk_size=4, granularity="chunk")
+    cfg = CompressionConfig(scorer="head-tail", chunk_size=4, granularity="chunk", gap="none")
     comp = Compressor(HeadTailScorer(), cfg)
     out = comp.compress(parts, 0.3)  # 6 tokens: first 3 and last 3
     assert out.kept == (0, 1, 2, 17, 18, 19)
@@ -315,7 +306,7 @@ def test_the_document_head_is_kept_first_for_any_question():
     scores = [0.0] * 100
     scores[0:8] = [-1.0] * 8  # the head scores lowest
     scores[80:88] = [5.0] * 8
-    cfg = CompressionConfig(scorer="random", chunk_size=8, granularity="chunk", head=0.5)
+    cfg = CompressionConfig("random", chunk_size=8, granularity="chunk", head=0.5, gap="none")
     out = Compressor(FixedScorer(scores), cfg).compress(parts, 0.16)
     assert out.kept == (*range(0, 8), *range(80, 88))
     assert out.head == 8 and out.shared_prefix == len(parts.prefix) + 8

@@ -3,10 +3,12 @@ and the needle demo on the embedded default (slow)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
+from compression.cli import add_compression_args, compression_config
 from compression.compressor import DEFAULT_SCORER
 from d3d.cli import main
 
@@ -41,6 +43,15 @@ def test_empty_document_is_exit_2(tmp_path, capsys):
     empty.write_text("  \n")
     assert main(["qa", "--document", str(empty), "--question", "q"]) == 2
     assert "document is empty" in capsys.readouterr().err
+
+
+def test_gap_flag_reaches_the_config():
+    p = argparse.ArgumentParser()
+    add_compression_args(p)
+    assert compression_config(p.parse_args([]), "default").gap == "ellipsis"
+    assert compression_config(p.parse_args(["--gap", "newline"]), "default").gap == "newline"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--gap", "dots"])
 
 
 @pytest.mark.slow
