@@ -31,7 +31,14 @@ from compression.drafter_scorers import (
 from compression.gaps import GAPS, GapMarker, runs
 from compression.prompt import PromptParts, Tokenizer
 from compression.question_scorer import DrafterQuestionScorer
-from compression.scorers import BM25Scorer, HeadTailScorer, HybridScorer, RandomScorer, Scorer
+from compression.scorers import (
+    FUSIONS,
+    BM25Scorer,
+    HeadTailScorer,
+    HybridScorer,
+    RandomScorer,
+    Scorer,
+)
 from compression.selection import budget, head_units, pool, select
 from compression.units import GRANULARITIES, Chunk, fixed_chunks, max_unit, segment
 from d3d.model.drafter import D3DDrafter
@@ -67,6 +74,7 @@ class CompressionConfig:
     attention: AttentionScoring | None = None  # None: the preset for the target and drafter
     fusion_weights: tuple[float, float] = (0.5, 1.0)  # attention-bm25: attention, bm25
     question_fusion: tuple[float, float] = (1.0, 1.0)  # hybrid: drafter, bm25
+    hybrid_fusion: str = "max"  # hybrid: how the two rankings combine (scorers.rank_fusion)
     fusion_k: float = 20.0
     ppl_layers: int | None = None
     head: float = 0.35  # share of the budget for the document head (calibrated: docs/longbench.md)
@@ -89,6 +97,8 @@ class CompressionConfig:
             raise ValueError(f"fusion weights must be two numbers >= 0, got {self.fusion_weights}")
         if not 0.0 <= self.head < 1.0:
             raise ValueError(f"head share must be in [0, 1), got {self.head}")
+        if self.hybrid_fusion not in FUSIONS:
+            raise ValueError(f"hybrid fusion must be one of {FUSIONS}, got {self.hybrid_fusion!r}")
         if self.pooling not in ("mean", "max"):
             raise ValueError(f"pooling must be mean or max, got {self.pooling!r}")
         if self.gap not in GAPS:
@@ -229,7 +239,8 @@ def make_scorer(
     if reader is not None:  # the hybrids: the drafter's reading fused with BM25
         lexical = BM25Scorer(tokenizer, cfg.chunk_size)  # type: ignore[arg-type]
         weights = cfg.fusion_weights if cfg.scorer == "attention-bm25" else cfg.question_fusion
-        return HybridScorer(reader, lexical, weights, cfg.fusion_k, cfg.pooling, cfg.scorer)
+        fusion = "sum" if cfg.scorer == "attention-bm25" else cfg.hybrid_fusion
+        return HybridScorer(reader, lexical, weights, cfg.fusion_k, cfg.pooling, cfg.scorer, fusion)
     if cfg.scorer == "drafter-ppl":
         return DrafterPerplexityScorer(drafter)  # type: ignore[arg-type]
     if cfg.scorer == "head-tail":

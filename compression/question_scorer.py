@@ -174,7 +174,8 @@ class DrafterQuestionScorer:
             return torch.zeros(0)
         question = tuple(self.question_ids(parts))
         key = self.reading_key(parts, units)
-        if self._last is not None and self._last[:2] == (key, question):
+        cached = self.cache is None or key in self.cache  # an emptied cache reads afresh
+        if cached and self._last is not None and self._last[:2] == (key, question):
             return self._last[2].clone()  # the same question again (another scorer, another keep)
         reading = self.read(parts, units)
         groups = self._groups(units)

@@ -180,17 +180,26 @@ class BM25Scorer:
         return spread(self.unit_scores(parts, units), units)
 
 
+FUSIONS = ("sum", "max")
+
+
 def rank_fusion(
-    scores: Sequence[torch.Tensor], weights: Sequence[float], k: float = 20.0
+    scores: Sequence[torch.Tensor], weights: Sequence[float], k: float = 20.0, how: str = "sum"
 ) -> torch.Tensor:
     """Weighted reciprocal rank fusion of unit scores [C] each -> [C].
 
-    A unit's fused score is sum_s w_s / (k + rank_s), rank 1 = best. A unit scoring <= 0 under a
-    component that scores evidence positively (BM25: no question word) gets nothing from it, so
-    ties among non-matching units do not hand out rank credit. Ties share the better rank.
+    ``sum``: a unit's fused score is sum_s w_s / (k + rank_s), rank 1 = best (a unit both rank
+    fairly high beats one that only one of them ranks first). ``max``: max_s w_s / (k + rank_s),
+    the sum breaking ties: the components' best units interleave, so a unit only one component
+    finds (a paraphrased fact, which BM25 cannot see) is kept as surely as its best. A unit
+    scoring <= 0 under a component that scores evidence positively (BM25: no question word)
+    gets nothing from it, so ties among non-matching units do not hand out rank credit. Ties
+    share the better rank.
     """
+    if how not in FUSIONS:
+        raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {how!r}")
     c = scores[0].numel()
-    fused = torch.zeros(c)
+    fused, best = torch.zeros(c), torch.zeros(c)
     for s, w in zip(scores, weights, strict=True):
         s = s.float()
         order = torch.argsort(-s, stable=True)
@@ -199,8 +208,10 @@ def rank_fusion(
         for v in s.unique():  # equal scores share the best rank among them
             tie = s == v
             rank[tie] = rank[tie].min()
-        fused += w / (k + rank) * (s > 0).float()
-    return fused
+        credit = w / (k + rank) * (s > 0).float()
+        fused += credit
+        best = torch.maximum(best, credit)
+    return fused if how == "sum" else best + 1e-3 * fused
 
 
 class HybridScorer:
@@ -222,8 +233,10 @@ class HybridScorer:
         k: float = 20.0,
         pooling: str = "mean",
         name: str = "hybrid",
+        fusion: str = "sum",
     ):
         self.name = name
+        self.fusion = fusion
         self.attention = attention
         self.lexical = lexical
         self.weights = weights
@@ -236,4 +249,4 @@ class HybridScorer:
         if att.numel() and att.min() <= 0:  # log-likelihoods: shift so every unit is ranked
             att = att - att.min() + 1.0
         lex = self.lexical.unit_scores(parts, units)
-        return spread(rank_fusion([att, lex], self.weights, self.k), units)
+        return spread(rank_fusion([att, lex], self.weights, self.k, self.fusion), units)

@@ -169,6 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def compressor(qa, name: str):
+    """The DocumentQA's compressor for ``name``; ``hybrid@sum``: the hybrid with that fusion."""
+    if "@" not in name:
+        return qa.compressor(name)
+    from compression.compressor import Compressor
+
+    base, fusion = name.split("@")
+    cfg = replace(qa.cfg, scorer=base, hybrid_fusion=fusion)
+    engine = qa.engine
+    return Compressor.build(
+        cfg, qa.tokenizer, engine.drafter, engine.target.model, question=qa.question()
+    )
+
+
 def run(args: argparse.Namespace, done: set, path: Path) -> list[dict]:
     from compression.doc_cache import DocumentCache
     from compression.qa import DocumentQA
@@ -193,7 +207,7 @@ def run(args: argparse.Namespace, done: set, path: Path) -> list[dict]:
             for scorer in args.scorers.split(","):
                 if (item.id, scorer) in done:
                     continue
-                comp = qa.compressor(scorer)
+                comp = compressor(qa, scorer)
                 t0 = time.perf_counter()
                 scored = comp.score(parts)
                 secs = time.perf_counter() - t0

@@ -247,6 +247,20 @@ def test_hybrid_scorer_fuses_attention_and_bm25_per_unit():
     assert set(ranked[:2]) == {needle, len(units) - 1}  # each part's favourite survives fusion
 
 
+def test_max_fusion_keeps_a_unit_only_one_ranking_finds_where_sum_fusion_drops_it():
+    # Unit 0: the drafter's first choice, no question word (BM25 0). Units 1-3: both rank them
+    # fairly high. Sum fusion prefers those; max fusion interleaves the two rankings' best.
+    drafter = torch.tensor([4.0, 3.0, 2.5, 2.0, 0.1])
+    lexical = torch.tensor([0.0, 2.0, 2.5, 3.0, 0.0])
+    summed = rank_fusion([drafter, lexical], (1.0, 1.0), k=20.0, how="sum")
+    best = rank_fusion([drafter, lexical], (1.0, 1.0), k=20.0, how="max")
+    assert summed.argsort(descending=True).tolist()[:2] != [0, 3]
+    assert 0 not in summed.argsort(descending=True).tolist()[:2]
+    assert set(best.argsort(descending=True).tolist()[:2]) == {0, 3}
+    with pytest.raises(ValueError, match="fusion"):
+        rank_fusion([drafter], (1.0,), how="min")
+
+
 def test_document_cache_is_a_size_bounded_lru():
     from transformers import DynamicCache
 
