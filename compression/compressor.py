@@ -45,6 +45,7 @@ from d3d.model.drafter import D3DDrafter
 from d3d.model.load import DEFAULT_SPECS
 
 SCORERS = (
+    "auto",
     "attention-bm25",
     "hybrid",
     "drafter",
@@ -54,10 +55,47 @@ SCORERS = (
     "random",
     "drafter-ppl",
 )
-DRAFTER_SCORERS = ("attention-bm25", "hybrid", "drafter", "drafter-attention", "drafter-ppl")
+DRAFTER_SCORERS = (
+    "auto",
+    "attention-bm25",
+    "hybrid",
+    "drafter",
+    "drafter-attention",
+    "drafter-ppl",
+)
 ATTENTION_SCORERS = ("attention-bm25", "drafter-attention")  # read with the attention reader
 QUESTION_SCORERS = ("hybrid", "drafter")  # read with the question-likelihood reader
-DEFAULT_SCORER = "attention-bm25"
+DEFAULT_SCORER = "auto"
+# ``auto`` reads with the drafter's question likelihood (``hybrid``) where that reading costs at
+# most this share of the target's prefill of the document, else with the attention reader
+# (``attention-bm25``, a few layers): measured in docs/longbench.md ("Which scorer by default").
+AUTO_READING_SHARE = 0.10
+QUESTION_OVERHEAD = 1.5  # tokens the question scorer runs per context token (the question copies)
+
+
+def _layer_params(model: torch.nn.Module | None) -> int:
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return sum(p.numel() for layer in layers for p in layer.parameters())
+
+
+def reading_share(drafter: D3DDrafter, target: PreTrainedModel) -> float:
+    """The question scorer's reading of a document over the target's prefill of it, from the
+    weights each token meets (the drafter's layers, the question copies, the target's layers)."""
+    own = _layer_params(target)
+    return QUESTION_OVERHEAD * _layer_params(drafter.lm) / own if own else math.inf
+
+
+def resolve_scorer(
+    name: str, drafter: D3DDrafter | None, target: PreTrainedModel | None = None
+) -> str:
+    """The scorer ``name`` stands for: ``auto`` picks by the reading's cost (see above)."""
+    if name != "auto":
+        return name
+    if drafter is None:
+        return "bm25"
+    if target is not None and reading_share(drafter, target) <= AUTO_READING_SHARE:
+        return "hybrid"
+    return "attention-bm25"
 
 
 @dataclass(frozen=True)
@@ -221,6 +259,7 @@ def make_scorer(
 ) -> Scorer:
     """Build the scorer ``cfg.scorer`` names (drafter scorers need ``drafter``; ``attention``,
     ``question``: readers already built, shared instead of building another)."""
+    cfg = replace(cfg, scorer=resolve_scorer(cfg.scorer, drafter, target))
     if cfg.scorer in DRAFTER_SCORERS and drafter is None and attention is None and question is None:
         raise ValueError(f"scorer {cfg.scorer!r} needs a drafter")
     if cfg.scorer in ("hybrid", "attention-bm25", "bm25") and tokenizer is None:

@@ -31,6 +31,7 @@ from compression.compressor import (
     Compressor,
     attention_preset,
     make_attention_scorer,
+    resolve_scorer,
 )
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import DrafterAttentionScorer
@@ -144,9 +145,15 @@ class DocumentQA:
             self._question.cache = self.cache
         return self._question
 
+    def resolve(self, scorer: str | None = None) -> str:
+        """The scorer a name stands for with this engine (``auto`` picks by reading cost)."""
+        return resolve_scorer(
+            scorer or self.cfg.scorer, self.engine.drafter, self.engine.target.model
+        )
+
     def compressor(self, scorer: str | None = None) -> Compressor:
         """The compressor for ``scorer`` (default: the configured one), built once."""
-        name = scorer or self.cfg.scorer
+        name = self.resolve(scorer)
         if name not in self._compressors:
             cfg = replace(self.cfg, scorer=name)
             if name in DRAFTER_SCORERS and self.engine.drafter is None:
@@ -190,7 +197,7 @@ class DocumentQA:
         """Whether the target may encode the document's head while ``scorer`` reads: always,
         unless the reader runs the target's own layer modules (the query pass switches their
         attention implementation, which the target's forward must not see)."""
-        name = scorer or self.cfg.scorer
+        name = self.resolve(scorer)
         if name not in ATTENTION_SCORERS:
             return True
         reader = {id(p) for p in self.attention().model.lm.model.layers.parameters()}
@@ -211,7 +218,7 @@ class DocumentQA:
 
     def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:
         """Whether the reader's pass over this document is in the cache."""
-        name = scorer or self.cfg.scorer
+        name = self.resolve(scorer)
         if name in QUESTION_SCORERS and self._question is not None:
             units = self.compressor(name).units(parts)
             return self._question.reading_key(parts, units) in self.cache

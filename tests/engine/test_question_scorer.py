@@ -107,3 +107,17 @@ def test_hybrid_and_drafter_scorers_are_built_from_the_registry():
     assert hybrid.name == "hybrid" and isinstance(hybrid.attention, DrafterQuestionScorer)
     with pytest.raises(ValueError, match="needs a drafter"):
         make_scorer(CompressionConfig("drafter"), tok)
+
+
+def test_auto_reads_with_the_question_scorer_only_where_the_drafter_is_cheap_next_to_the_target():
+    from compression.compressor import reading_share, resolve_scorer
+
+    target = tiny_model("llama", seed=0, vocab=VOCAB, layers=24, tie=False, window=512)
+    small = D3DDrafter.from_target(target, 1)  # 1 of 24 layers: 1.5 / 24 of the prefill
+    deep = D3DDrafter.from_target(target, 24)  # the target's own depth
+    assert reading_share(small, target) == pytest.approx(1.5 / 24)
+    assert resolve_scorer("auto", small, target) == "hybrid"
+    assert resolve_scorer("auto", deep, target) == "attention-bm25"
+    assert resolve_scorer("auto", None, target) == "bm25"
+    assert resolve_scorer("drafter", deep, target) == "drafter"
+    assert make_scorer(CompressionConfig("auto"), IdTokenizer(), small, target).name == "hybrid"
