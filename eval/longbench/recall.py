@@ -155,18 +155,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", default=None, help="gap separator (default: the config's)")
     p.add_argument("--out", default="runs/recall")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--from-sweep", default=None, help="a sweep's folder: its evidence, as records")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
     records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    if not args.report_only:
+    if args.from_sweep:
+        records = from_sweep(Path(args.from_sweep))
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif not args.report_only:
         records += run(args, {(r["item"], r["scorer"]) for r in records}, path)
     rows = summarise(records, args.baseline, args.overlap)
     (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "recall.md").write_text(markdown(rows, args.baseline))
     print(markdown(rows, args.baseline))
     return 0
+
+
+def from_sweep(folder: Path) -> list[dict]:
+    """A LongBench sweep's ``evidence_kept`` per item, scorer and keep ratio, as recall records
+    (the questions' word overlap from the local rows)."""
+    rows = [json.loads(x) for x in (folder / "records.jsonl").read_text().splitlines() if x]
+    by_id = {i.id: i for i in load_longbench(None, "local")}
+    out: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        if r["scorer"] == "full" or r["item"] not in by_id:
+            continue
+        item = by_id[r["item"]]
+        rec = out.setdefault(
+            (r["item"], r["scorer"]),
+            {"item": r["item"], "set": set_of(item), "scorer": r["scorer"], "kept": {},
+             "overlap": overlap(item), "score_s": r.get("compress_s")},
+        )  # fmt: skip
+        rec["kept"][f"{r['keep_ratio']:g}"] = r.get("evidence_kept")
+    return list(out.values())
 
 
 def compressor(qa, name: str):
