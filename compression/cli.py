@@ -23,11 +23,11 @@ from compression.compressor import (
     DRAFTER_SCORERS,
     SCORERS,
     CompressionConfig,
-    attention_preset,
 )
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import AttentionScoring
 from compression.gaps import GAPS
+from compression.presets import attention_preset
 from compression.qa import QA_TEMPLATE, DocumentQA
 from compression.units import GRANULARITIES
 from d3d.cli import add_decode_args, add_model_args, decode_config, model_config

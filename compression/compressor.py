@@ -29,6 +29,7 @@ from compression.drafter_scorers import (
     DrafterPerplexityScorer,
 )
 from compression.gaps import GAPS, GapMarker, runs
+from compression.presets import make_attention_scorer, resolve_scorer
 from compression.prompt import PromptParts, Tokenizer
 from compression.question_scorer import DrafterQuestionScorer
 from compression.scorers import (
@@ -42,7 +43,6 @@ from compression.scorers import (
 from compression.selection import budget, head_units, pool, select
 from compression.units import GRANULARITIES, Chunk, fixed_chunks, max_unit, segment
 from d3d.model.drafter import D3DDrafter
-from d3d.model.load import DEFAULT_SPECS
 
 SCORERS = (
     "auto",
@@ -66,36 +66,6 @@ DRAFTER_SCORERS = (
 ATTENTION_SCORERS = ("attention-bm25", "drafter-attention")  # read with the attention reader
 QUESTION_SCORERS = ("hybrid", "drafter")  # read with the question-likelihood reader
 DEFAULT_SCORER = "auto"
-# ``auto`` reads with the drafter's question likelihood (``hybrid``) where that reading costs at
-# most this share of the target's prefill of the document, else with the attention reader
-# (``attention-bm25``, a few layers): measured in docs/longbench.md ("Which scorer by default").
-AUTO_READING_SHARE = 0.10
-QUESTION_OVERHEAD = 1.5  # tokens the question scorer runs per context token (the question copies)
-
-
-def _layer_params(model: torch.nn.Module | None) -> int:
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    return sum(p.numel() for layer in layers for p in layer.parameters())
-
-
-def reading_share(drafter: D3DDrafter, target: PreTrainedModel) -> float:
-    """The question scorer's reading of a document over the target's prefill of it, from the
-    weights each token meets (the drafter's layers, the question copies, the target's layers)."""
-    own = _layer_params(target)
-    return QUESTION_OVERHEAD * _layer_params(drafter.lm) / own if own else math.inf
-
-
-def resolve_scorer(
-    name: str, drafter: D3DDrafter | None, target: PreTrainedModel | None = None
-) -> str:
-    """The scorer ``name`` stands for: ``auto`` picks by the reading's cost (see above)."""
-    if name != "auto":
-        return name
-    if drafter is None:
-        return "bm25"
-    if target is not None and reading_share(drafter, target) <= AUTO_READING_SHARE:
-        return "hybrid"
-    return "attention-bm25"
 
 
 @dataclass(frozen=True)
@@ -197,56 +167,6 @@ class Compressed:
             "seconds": round(self.seconds, 4),
             "head_tokens": self.head,
         }
-
-
-# Measured on SmolLM2-135M (docs/longbench.md), on items built with other seeds than the
-# evaluation sets: head 7 of the target's layer 7 ranks evidence best (layers 0-3 follow frequent
-# words); the shipped 7-layer drafter's own heads, trained for drafting, rank it at chance. So
-# the embedded default reads with the first 8 target layers: through the drafter itself when the
-# drafter's layers are those frozen target layers (a gated-adapter drafter), else with a copy.
-# Windows of 1,024 tokens make the reading linear in length (at 8k tokens: 5.3 s instead of
-# 13.8 s on one thread, against 63 s for the target's prefill); 512-token windows read faster
-# but double the query passes, which a second question pays (docs/longbench.md).
-RETRIEVAL_HEADS = ((7, 7),)
-RETRIEVAL_DEPTH = 8
-SMOLLM2_ATTENTION = AttentionScoring(
-    layers=RETRIEVAL_DEPTH,
-    reader="target",
-    heads=RETRIEVAL_HEADS,
-    lookahead=False,
-    quantize=True,
-    window=1024,
-)
-
-
-def reads_like_target(drafter: D3DDrafter | None, depth: int = RETRIEVAL_DEPTH) -> bool:
-    """Whether the drafter's first ``depth`` layers compute the target's (frozen, in order)."""
-    if drafter is None or getattr(drafter, "adapters", None) is None:
-        return False
-    return tuple(drafter.meta.layers[:depth]) == tuple(range(depth))
-
-
-def attention_preset(target_spec: str, drafter: D3DDrafter | None = None) -> AttentionScoring:
-    """The attention-scorer settings for a target and its drafter (see the comment above);
-    other targets read with the whole drafter, max over layers and heads."""
-    if target_spec.lower() not in DEFAULT_SPECS:
-        return AttentionScoring()
-    if reads_like_target(drafter):
-        return replace(SMOLLM2_ATTENTION, reader="drafter")
-    return SMOLLM2_ATTENTION
-
-
-def make_attention_scorer(
-    att: AttentionScoring, drafter: D3DDrafter | None, target: PreTrainedModel | None = None
-) -> DrafterAttentionScorer:
-    """The attention scorer: the drafter reads, or the target's first layers when asked."""
-    if drafter is None:
-        raise ValueError("the attention scorer needs a drafter")
-    if att.reader == "drafter":
-        return DrafterAttentionScorer.from_drafter(drafter, att)
-    if target is None:
-        raise ValueError("the attention scorer's reader is the target, and none was given")
-    return DrafterAttentionScorer(target, att, drafter.mask_embedding, drafter.block_size)
 
 
 def make_scorer(

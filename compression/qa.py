@@ -29,12 +29,10 @@ from compression.compressor import (
     Compressed,
     CompressionConfig,
     Compressor,
-    attention_preset,
-    make_attention_scorer,
-    resolve_scorer,
 )
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import DrafterAttentionScorer
+from compression.presets import attention_preset, make_attention_scorer, resolve_scorer
 from compression.prompt import PromptParts, build_parts
 from compression.question_scorer import DrafterQuestionScorer
 from d3d.config import DecodeConfig

@@ -25,9 +25,10 @@ from dataclasses import replace
 
 import torch
 
-from compression.compressor import SCORERS, CompressionConfig, Compressor, make_attention_scorer
+from compression.compressor import SCORERS, CompressionConfig, Compressor
 from compression.doc_cache import DocumentCache
 from compression.drafter_scorers import AttentionScoring, DrafterAttentionScorer
+from compression.presets import make_attention_scorer
 from compression.prompt import PromptParts
 from compression.selection import pool
 from compression.units import fixed_chunks

@@ -110,7 +110,7 @@ def test_hybrid_and_drafter_scorers_are_built_from_the_registry():
 
 
 def test_auto_reads_with_the_question_scorer_only_where_the_drafter_is_cheap_next_to_the_target():
-    from compression.compressor import reading_share, resolve_scorer
+    from compression.presets import reading_share, resolve_scorer
 
     target = tiny_model("llama", seed=0, vocab=VOCAB, layers=24, tie=False, window=512)
     small = D3DDrafter.from_target(target, 1)  # 1 of 24 layers: 1.5 / 24 of the prefill
