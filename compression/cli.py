@@ -62,6 +62,11 @@ def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
     g.add_argument("--score-heads", default=None, help="layer:head list (e.g. 7:7,6:1), or 'all'")
     g.add_argument("--lookahead", default=None, choices=["on", "off"], help="append a draft block")
     g.add_argument("--quantize", default=None, choices=["on", "off"], help="int8 reader layers")
+    g.add_argument(
+        "--question-int8",
+        action="store_true",
+        help="drafter/hybrid scorers: an int8 copy of the drafter reads (about half the time)",
+    )
     g.add_argument("--score-window", type=int, default=None, help="reading window in tokens")
     g.add_argument(
         "--score-workers",
@@ -131,6 +136,7 @@ def compression_config(
         head=args.head,
         seed=args.random_seed,
         attention=attention_config(args, attention_preset(target_spec, drafter)),
+        question_int8=args.question_int8,
     )
     if args.fusion is not None:
         cfg = replace(cfg, fusion_weights=_weights(args.fusion))

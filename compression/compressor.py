@@ -83,6 +83,7 @@ class CompressionConfig:
     fusion_weights: tuple[float, float] = (0.5, 1.0)  # attention-bm25: attention, bm25
     question_fusion: tuple[float, float] = (1.0, 1.0)  # hybrid: drafter, bm25
     hybrid_fusion: str = "max"  # hybrid: how the two rankings combine (scorers.rank_fusion)
+    question_int8: bool = False  # drafter, hybrid: an int8 copy of the drafter reads
     fusion_k: float = 20.0
     ppl_layers: int | None = None
     head: float = 0.35  # share of the budget for the document head (calibrated: docs/longbench.md)
@@ -192,7 +193,11 @@ def make_scorer(
     elif cfg.scorer in QUESTION_SCORERS:
         if question is None and tokenizer is None:
             raise ValueError(f"scorer {cfg.scorer!r} needs a tokenizer")
-        reader = question or DrafterQuestionScorer(drafter, tokenizer)  # type: ignore[arg-type]
+        reader = question or DrafterQuestionScorer(
+            drafter,  # type: ignore[arg-type]
+            tokenizer,  # type: ignore[arg-type]
+            quantize=cfg.question_int8,
+        )
     if cfg.scorer in ("drafter", "drafter-attention"):
         return reader  # type: ignore[return-value]
     if reader is not None:  # the hybrids: the drafter's reading fused with BM25

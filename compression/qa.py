@@ -139,7 +139,9 @@ class DocumentQA:
     def question(self) -> DrafterQuestionScorer:
         """The one question-likelihood reader (built on first use), wired to the document cache."""
         if self._question is None:
-            self._question = DrafterQuestionScorer(self.engine.drafter, self.tokenizer)
+            self._question = DrafterQuestionScorer(
+                self.engine.drafter, self.tokenizer, quantize=self.cfg.question_int8
+            )
             self._question.cache = self.cache
         return self._question
 

@@ -149,3 +149,14 @@ def test_embedded_drafter_keeps_the_paraphrased_facts_word_matching_cannot_find(
             out = qa.compressor(name).compress(parts, 0.1)
             kept[name] += fact_kept(item, tok.decode(out.parts.context))
     assert kept["drafter"] >= 5 and kept["bm25"] <= 2, kept
+
+
+def test_an_int8_reader_scores_close_to_the_float_one_and_is_a_reading_of_its_own():
+    d = drafter("llama")
+    parts, units = parts_and_units()
+    exact = DrafterQuestionScorer(d, IdTokenizer(), workers=1)
+    int8 = DrafterQuestionScorer(d, IdTokenizer(), quantize=True, workers=1)
+    assert int8.model is not d and exact.model is d  # a copy: the drafter itself is untouched
+    assert int8.reading_key(parts, units) != exact.reading_key(parts, units)
+    got, want = int8.unit_scores(parts, units), exact.unit_scores(parts, units)
+    assert torch.allclose(got, want, atol=0.05), (got, want)

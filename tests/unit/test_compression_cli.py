@@ -51,6 +51,8 @@ def test_gap_flag_reaches_the_config():
     assert compression_config(p.parse_args(["--gap", "newline"]), "default").gap == "newline"
     with pytest.raises(SystemExit):
         p.parse_args(["--gap", "dots"])
+    assert not compression_config(p.parse_args([]), "default").question_int8
+    assert compression_config(p.parse_args(["--question-int8"]), "default").question_int8
 
 
 @pytest.mark.slow
