@@ -71,10 +71,8 @@ class DrafterQuestionScorer:
         self.lead = tuple(encode_text(tokenizer, LEAD))
         self.group = group
         self.requested_workers = workers
-        self.identity = (
-            f"question|{weights_id(drafter.lm.model.layers, drafter.mask_embedding, None)}"
-        )
-        self.identity += f"|{quantize}"
+        weights = weights_id(drafter.lm.model.layers, drafter.mask_embedding, None)
+        self.identity = f"question|{weights}|{quantize}"
         self.cache: DocumentCache | None = None
         self._last: tuple[str, tuple[int, ...], torch.Tensor] | None = None  # the last answer
 
@@ -126,9 +124,12 @@ class DrafterQuestionScorer:
     def _groups(self, units: Sequence[Chunk]) -> list[tuple[Chunk, ...]]:
         return [tuple(units[i : i + self.group]) for i in range(0, len(units), self.group)]
 
-    def read(self, parts: PromptParts, units: Sequence[Chunk]) -> DocumentReading:
-        """The unit pass over the document, from the cache when it holds it."""
-        key = self.reading_key(parts, units)
+    def read(
+        self, parts: PromptParts, units: Sequence[Chunk], key: str | None = None
+    ) -> DocumentReading:
+        """The unit pass over the document, from the cache when it holds it (``key``: its
+        :meth:`reading_key`, when the caller has it already)."""
+        key = key or self.reading_key(parts, units)
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             return hit
         groups = self._groups(units)
@@ -177,7 +178,7 @@ class DrafterQuestionScorer:
         cached = self.cache is None or key in self.cache  # an emptied cache reads afresh
         if cached and self._last is not None and self._last[:2] == (key, question):
             return self._last[2].clone()  # the same question again (another scorer, another keep)
-        reading = self.read(parts, units)
+        reading = self.read(parts, units, key)
         groups = self._groups(units)
         out = parallel_map(
             lambda pair: self.ask(pair[0].cache, pair[1], question),

@@ -184,7 +184,11 @@ FUSIONS = ("sum", "max")
 
 
 def rank_fusion(
-    scores: Sequence[torch.Tensor], weights: Sequence[float], k: float = 20.0, how: str = "sum"
+    scores: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    k: float = 20.0,
+    how: str = "sum",
+    gated: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Weighted reciprocal rank fusion of unit scores [C] each -> [C].
 
@@ -192,15 +196,16 @@ def rank_fusion(
     fairly high beats one that only one of them ranks first). ``max``: max_s w_s / (k + rank_s),
     the sum breaking ties: the components' best units interleave, so a unit only one component
     finds (a paraphrased fact, which BM25 cannot see) is kept as surely as its best. A unit
-    scoring <= 0 under a component that scores evidence positively (BM25: no question word)
-    gets nothing from it, so ties among non-matching units do not hand out rank credit. Ties
-    share the better rank.
+    scoring <= 0 under a *gated* component, one that scores evidence positively (BM25: no
+    question word), gets nothing from it, so ties among non-matching units do not hand out rank
+    credit; ``gated`` says which components are (None: all). Ties share the better rank.
     """
     if how not in FUSIONS:
         raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {how!r}")
     c = scores[0].numel()
     fused, best = torch.zeros(c), torch.zeros(c)
-    for s, w in zip(scores, weights, strict=True):
+    gates = [True] * len(scores) if gated is None else list(gated)
+    for s, w, gate in zip(scores, weights, gates, strict=True):
         s = s.float()
         order = torch.argsort(-s, stable=True)
         rank = torch.empty(c)
@@ -208,7 +213,7 @@ def rank_fusion(
         for v in s.unique():  # equal scores share the best rank among them
             tie = s == v
             rank[tie] = rank[tie].min()
-        credit = w / (k + rank) * (s > 0).float()
+        credit = w / (k + rank) * ((s > 0).float() if gate else 1.0)
         fused += credit
         best = torch.maximum(best, credit)
     return fused if how == "sum" else best + 1e-3 * fused
@@ -218,8 +223,9 @@ class HybridScorer:
     """A drafter scorer fused with BM25 by weighted reciprocal rank fusion, per unit.
 
     The drafter scorer's token scores are pooled per unit (``pooling``) and ranked; BM25 ranks
-    the units that share words with the question. The drafter component must score every unit
-    above 0 to rank it (attention weights are; a log-likelihood is shifted to be).
+    the units that share words with the question. Only BM25's ranking is gated (a unit with no
+    question word gets nothing from it); the drafter's ranks every unit, whatever the sign of
+    its scores (attention weights, log-likelihoods).
     """
 
     name = "hybrid"
@@ -246,7 +252,6 @@ class HybridScorer:
     def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
         units = units if units is not None else fixed_chunks(len(parts.context), 32)
         att = pool(self.attention.score(parts, units), units, self.pooling)
-        if att.numel() and att.min() <= 0:  # log-likelihoods: shift so every unit is ranked
-            att = att - att.min() + 1.0
         lex = self.lexical.unit_scores(parts, units)
-        return spread(rank_fusion([att, lex], self.weights, self.k, self.fusion), units)
+        fused = rank_fusion([att, lex], self.weights, self.k, self.fusion, gated=(False, True))
+        return spread(fused, units)
