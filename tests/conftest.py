@@ -230,6 +230,18 @@ def qwen3_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def messy():
+    """The twelve messy-needle items (one document; eval/longbench/messy.py), or a skip where
+    the shared essays are missing."""
+    from eval.longbench.messy import messy_items
+    from eval.longbench.offline import DATA_DIR
+
+    if not (DATA_DIR / "paul_graham_essays").is_dir():
+        pytest.skip("the shared essays are not here")
+    return messy_items()
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory, qwen3_tokenizer) -> Path:
     """A folder holding a random :func:`qwen3_like` model and the real tokenizer."""
     return save_qwen3(qwen3_like(), qwen3_tokenizer, tmp_path_factory.mktemp("qwen3"))

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from eval.longbench.data import Item
-from eval.longbench.offline import NEEDLE_TEMPLATE, CountTokens, essay_paragraphs
+from eval.longbench.offline import NEEDLE_TEMPLATE, essay_paragraphs
 
 SENTENCE = re.compile(r"(?<=[.!?])\s+")
 STYLES = ("end", "start", "middle")
@@ -84,9 +84,7 @@ def merge(fact: str, before: str, after: str, style: str) -> tuple[str, str]:
     raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
 
 
-def messy_document(
-    count: CountTokens, words: int = 4000, seed: int = 0, facts: tuple[Fact, ...] = FACTS
-) -> str:
+def messy_document(words: int = 4000, seed: int = 0, facts: tuple[Fact, ...] = FACTS) -> str:
     """About ``words`` words of essays on one line, each fact merged into a sentence."""
     rng = random.Random(f"messy-{words}-{seed}")
     paras = essay_paragraphs()
@@ -107,9 +105,9 @@ def messy_document(
     return " ".join(sents)
 
 
-def messy_items(count: CountTokens, words: int = 4000, seed: int = 0) -> list[Item]:
+def messy_items(words: int = 4000, seed: int = 0) -> list[Item]:
     """The twelve questions about one messy document, as evaluation items."""
-    doc = messy_document(count, words, seed)
+    doc = messy_document(words, seed)
     return [
         Item(
             id=f"messy{words}-{seed}-{k}",

@@ -74,7 +74,7 @@ def load_sets(names: list[str], tokenizer, per_set: int = 24) -> list[Item]:
     items: list[Item] = []
     for name in names:
         if name == "messy":
-            items += messy_items(count, 4000, 0)
+            items += messy_items(4000, 0)
         elif name == "nq30":
             items += [replace(i, dataset="nq30") for i in nq_multidoc(count, 4, per_set, seed=3)]
         elif name == "offline":

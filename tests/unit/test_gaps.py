@@ -8,22 +8,17 @@ from app.documents import kept_spans
 from compression.compressor import CompressionConfig, Compressor, token_texts
 from compression.gaps import GapMarker, runs
 from compression.prompt import PromptParts, build_parts
-from eval.longbench.messy import fact_kept, messy_items
+from eval.longbench.messy import fact_kept
 from tests.unit.test_compression import CharTokenizer
 
 
 @pytest.fixture(scope="module")
-def literal(qwen3_tokenizer):
+def literal(qwen3_tokenizer, messy):
     """The messy document's six keyword questions as prompt parts (Qwen3 chat template)."""
-    from eval.longbench.offline import DATA_DIR
-
-    if not (DATA_DIR / "paul_graham_essays").is_dir():
-        pytest.skip("the shared essays are not here")
     tok = qwen3_tokenizer
-    items = messy_items(lambda text: tok(text, add_special_tokens=False)["input_ids"])
     return [
         (it, build_parts(tok, it.template, it.context, input=it.input))
-        for it in items
+        for it in messy
         if not it.meta["paraphrased"]
     ]
 

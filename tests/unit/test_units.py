@@ -15,20 +15,16 @@ from compression.compressor import CompressionConfig, Compressor, token_texts
 from compression.prompt import build_parts
 from compression.selection import select
 from compression.units import Chunk, packed_chunks, segment, sentence_chunks
-from eval.longbench.messy import FACTS, fact_kept, messy_items
+from eval.longbench.messy import FACTS, fact_kept
 
 SIZE = 32
 
 
 @pytest.fixture(scope="module")
-def messy(qwen3_tokenizer):
+def messy_tokens(qwen3_tokenizer, messy):
     """The twelve messy items, their document's token ids, token texts and character offsets."""
-    from eval.longbench.offline import DATA_DIR
-
-    if not (DATA_DIR / "paul_graham_essays").is_dir():
-        pytest.skip("the shared essays are not here")
     tok = qwen3_tokenizer
-    items = messy_items(lambda text: tok(text, add_special_tokens=False)["input_ids"])
+    items = messy
     doc = items[0].context
     enc = tok(doc, add_special_tokens=False, return_offsets_mapping=True)
     ids = [int(i) for i in enc["input_ids"]]
@@ -48,8 +44,10 @@ def sliver(texts, u: Chunk) -> bool:
 
 
 @pytest.mark.parametrize("granularity", ["packed", "sentence"])
-def test_messy_units_cut_at_word_boundaries_within_size_and_without_slivers(messy, granularity):
-    _, _, ids, texts, _ = messy
+def test_messy_units_cut_at_word_boundaries_within_size_and_without_slivers(
+    messy_tokens, granularity
+):
+    _, _, ids, texts, _ = messy_tokens
     units = segment(texts, granularity, SIZE)
     assert units[0].start == 0 and units[-1].end == len(ids)
     assert all(a.end == b.start for a, b in itertools.pairwise(units))
@@ -64,8 +62,8 @@ def test_messy_units_cut_at_word_boundaries_within_size_and_without_slivers(mess
         ]
 
 
-def test_each_messy_fact_lies_in_one_unit_or_one_sentences_run(messy):
-    _, doc, _, texts, offsets = messy
+def test_each_messy_fact_lies_in_one_unit_or_one_sentences_run(messy_tokens):
+    _, doc, _, texts, offsets = messy_tokens
     units = segment(texts, "packed", SIZE)
     for fact in FACTS:
         first, end = fact_tokens(doc, offsets, fact.text)
@@ -76,10 +74,10 @@ def test_each_messy_fact_lies_in_one_unit_or_one_sentences_run(messy):
         assert len(span) == 1, (fact.text, [units[j] for j in span])
 
 
-def test_bm25_keeps_the_literal_messy_facts_whole_at_keep_01(messy, qwen3_tokenizer):
+def test_bm25_keeps_the_literal_messy_facts_whole_at_keep_01(messy_tokens, qwen3_tokenizer):
     """Keyword questions find their fact with BM25; the fact must then survive whole. Fixed
     32-token packing cut a fact ending a run-on sentence (the Lisbon code)."""
-    items = messy[0]
+    items = messy_tokens[0]
     comp = Compressor.build(CompressionConfig(scorer="bm25"), qwen3_tokenizer)
     literal = [it for it in items if not it.meta["paraphrased"]]
     assert len(literal) == 6
