@@ -7,14 +7,20 @@ the latest one among equals, and proposes the tokens that followed it there. Dra
 model forward, so a round pays as soon as the target's verify forward over the copied tokens
 costs less than the plain steps it saves.
 
-:class:`CopyDrafts` decides, per round, whether a copy is worth verifying, from figures the
-host measures (:class:`CopyCosts`, shared by the requests of one engine): the tokens a copy
-round emits, by how long the match was (1, 2, 3, 4 or more tokens: a one-token match is a weak
-hint, a four-token one is usually a quotation), against the time of a copy round and of a plain
-step. A copy is always verified whole (up to the block's length): a verify forward costs
-about the same for 2 and for 16 tokens on this CPU and on a GPU, while the first token beyond a
-plain step costs the most. A match length whose rounds do not beat plain steps is set aside and
-tried again now and then (its rounds cost at most one verify forward more than a plain step).
+:class:`CopyDrafts` decides, per round, whether a copy is worth verifying and how much of it,
+with the cost model of ``auto``'s drafter rounds (:mod:`d3d.decoding.policy`): a round that
+verifies n copied tokens costs ``t_step + c n`` (the host's plain step and the verify's cost
+per extra token) and yields ``E(n)`` tokens, from the conditional acceptance per copied
+position that the host measures (:class:`CopyCosts`) by how long the match was (1, 2, 3, 4 or
+more tokens: a one-token match is a weak hint, a four-token one is usually a quotation). The
+copy's length is ``n* = argmax E(n) / t(n)`` among ``LENGTHS`` up to what the copy has (the
+widths auto's drafter rounds use), and the round runs iff it beats a plain step by ``margin``. On this CPU a verify of 2-4 tokens costs ~1.07 plain
+steps and of 16 ~1.4: a one-token match in a chat answer (its next token accepted ~25 % of the
+time) pays verified short and loses verified whole, while a quotation pays verified whole. A
+bucket nothing is known of is taken for a quotation (``prior``, 0.9 a position: its first copy
+is verified whole), so a document's answer copies at full length from its first round, and a
+chat answer's weak matches shorten within a few rounds; a bucket that loses is tried again
+every ``retry_every`` declined matches, at its best length.
 
 A copy is a deterministic draft: its q is one-hot (:func:`one_hot_q`), for which the exact
 acceptance rule of :mod:`d3d.decoding.verify` accepts d with probability p(d) and, at a rejection,
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from d3d.decoding.costs import Ema
+from d3d.decoding.costs import LENGTHS, PositionStats, expected_tokens
 from d3d.decoding.verify import one_hot_q
 
 MAX_NGRAM = 8
@@ -92,76 +98,88 @@ class CopyDraft:
 
 @dataclass
 class CopyCosts:
-    """What copy rounds achieved on this host (shared by an engine's requests): tokens emitted
-    per round by match-length bucket, seconds per copy round, and the rounds tried and set aside
-    per bucket since it was last judged."""
+    """What copy rounds achieved on this host (shared by an engine's requests): conditional
+    acceptance per copied position by match-length bucket, and the matches declined per bucket
+    since it was last tried."""
 
-    tokens: list[Ema] = field(default_factory=lambda: [Ema(0.2) for _ in range(BUCKETS)])
-    tried: list[int] = field(default_factory=lambda: [0] * BUCKETS)
+    accept: list[PositionStats] = field(
+        default_factory=lambda: [PositionStats() for _ in range(BUCKETS)]
+    )
     skipped: list[int] = field(default_factory=lambda: [0] * BUCKETS)
-    round_s: Ema = field(default_factory=lambda: Ema(0.2))
 
-    def measured(self, bucket: int, explore: int) -> float | None:
-        """Tokens per copy round in ``bucket`` once it has run ``explore`` rounds, else None."""
-        tokens = self.tokens[bucket].value
-        return None if self.tried[bucket] < explore else tokens
-
-    def record(self, bucket: int, emitted: int, seconds: float | None = None) -> None:
-        """A copy round's outcome: ``emitted`` tokens (in ``seconds``, when timed alone)."""
-        self.tried[bucket] += 1
-        self.tokens[bucket].add(float(emitted))
-        if seconds is not None:
-            self.round_s.add(seconds)
+    def record(self, bucket: int, drafted: int, num_accepted: int) -> None:
+        """A copy round's outcome: ``num_accepted`` of ``drafted`` copied tokens accepted."""
+        self.accept[bucket].update(drafted, num_accepted)
 
 
 class CopyDrafts:
     """Per request: a copy to verify now, or None for a plain step (see the module docstring).
 
-    ``explore``: copy rounds each bucket runs before it is judged; ``retry_every``: declined
-    matches of a losing bucket before it is tried again; ``margin``: how much a copy round must
-    beat plain steps by."""
+    ``retry_every``: declined matches of a losing bucket before it is tried again; ``margin``:
+    how much a copy round must beat plain steps by; ``prior``: the acceptance per position
+    assumed where nothing is measured."""
 
     def __init__(
         self,
         costs: CopyCosts,
         max_len: int,
         vocab_size: int,
-        explore: int = 2,
         retry_every: int = 32,
         margin: float = 0.03,
+        prior: float = 0.9,
     ):
         self.costs = costs
         self.max_len = max_len
         self.vocab_size = vocab_size
-        self.explore = explore
         self.retry_every = retry_every
         self.margin = margin
+        self.prior = prior
 
-    def pays(self, bucket: int, step_s: float) -> bool:
-        """Whether a copy round with a match in ``bucket`` beats plain steps (or is due a try)."""
-        c = self.costs
-        tokens, round_s = c.measured(bucket, self.explore), c.round_s.value
-        if tokens is None or round_s is None:
-            return True
-        if tokens / round_s > (1.0 + self.margin) / step_s:
-            return True
-        c.skipped[bucket] += 1
-        if c.skipped[bucket] >= self.retry_every:  # a losing bucket is tried again now and then
-            c.skipped[bucket] = 0
-            return True
-        return False
+    def length(self, bucket: int, have: int, step_s: float, per_token_s: float) -> int:
+        """Copied tokens to verify for a match in ``bucket`` with ``have`` tokens to copy: the
+        length with the most tokens per second, 0 when it does not beat plain steps (and no
+        retry is due)."""
+        rates = self.costs.accept[bucket].rates(have, first=self.prior)
+
+        def rate(n: int) -> float:
+            return expected_tokens(rates[:n]) / (step_s + per_token_s * n)
+
+        # Only the lengths auto's drafter rounds use: a fresh process builds a kernel for every
+        # new forward width once, inside an answer.
+        best = max([n for n in LENGTHS if n <= have] or [have], key=rate)
+        if rate(best) > (1.0 + self.margin) / step_s:
+            return best
+        skipped = self.costs.skipped
+        skipped[bucket] += 1
+        if skipped[bucket] >= self.retry_every:  # a losing bucket is tried again now and then
+            skipped[bucket] = 0
+            return best
+        return 0
 
     def propose(
-        self, tokens: Sequence[int], step_s: float | None, greedy: bool
+        self,
+        tokens: Sequence[int],
+        step_s: float | None,
+        per_token_s: float | None,
+        greedy: bool,
     ) -> CopyDraft | None:
-        """A copy of up to ``max_len`` tokens that pays, else None. ``step_s``: a plain step's
-        measured time (None: not measured yet, so no copy)."""
+        """A copy that pays, cut to the length that pays most, else None. ``step_s``: a plain
+        step's measured time (None: not measured yet, so no copy); ``per_token_s``: the verify's
+        cost per extra token (None: not measured yet, so the copy is verified whole)."""
         if step_s is None:
             return None
         copy = self.find(tokens, self.max_len, greedy)
-        if copy is None or not self.pays(copy.bucket, step_s):
+        if copy is None or per_token_s is None:
+            return copy
+        n = self.length(copy.bucket, len(copy.tokens), step_s, per_token_s)
+        if n == 0:
             return None
-        return copy
+        return copy if n == len(copy.tokens) else self.cut(copy, n)
+
+    @staticmethod
+    def cut(copy: CopyDraft, n: int) -> CopyDraft:
+        """The first ``n`` tokens of ``copy``."""
+        return CopyDraft(copy.tokens[:n], None if copy.q is None else copy.q[:n], copy.bucket)
 
     def find(self, tokens: Sequence[int], k: int, greedy: bool) -> CopyDraft | None:
         """A copy of up to ``k`` tokens, whether or not it pays (None: no earlier match)."""
@@ -172,7 +190,6 @@ class CopyDrafts:
         bucket = min(found.ngram, BUCKETS) - 1
         return CopyDraft(d, None if greedy else one_hot_q(d, self.vocab_size), bucket)
 
-    def record(self, draft: CopyDraft, emitted: int, verify_s: float | None) -> None:
-        """A copy round's outcome: ``emitted`` tokens in ``verify_s`` seconds (None: it rode
-        in a wider forward, so its time is not its own)."""
-        self.costs.record(draft.bucket, emitted, verify_s)
+    def record(self, draft: CopyDraft, num_accepted: int) -> None:
+        """A copy round's outcome: ``num_accepted`` of the draft's tokens accepted."""
+        self.costs.record(draft.bucket, len(draft.tokens), num_accepted)

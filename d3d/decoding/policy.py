@@ -57,58 +57,10 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.config import SamplingConfig
-from d3d.decoding.costs import Ema
+from d3d.decoding.costs import LENGTHS, Ema, PositionStats, expected_tokens
 from d3d.decoding.lookup import CopyCosts, CopyDraft, CopyDrafts
 from d3d.decoding.proposers import NO_DRAFT, Proposal, Proposer
 from d3d.decoding.verify import Acceptance
-
-LENGTHS = (1, 2, 3, 4, 6, 8, 11, 15)  # draft lengths the policy chooses among
-
-
-@dataclass
-class PositionStats:
-    """Conditional acceptance per draft position, with exponential forgetting."""
-
-    decay: float = 0.97
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def update(self, drafted: int, num_accepted: int) -> None:
-        need = max(drafted, len(self.reached))
-        self.reached += [0.0] * (need - len(self.reached))
-        self.accepted += [0.0] * (need - len(self.accepted))
-        # Positions 1..n+1 were tried; only they forget, so what is known of positions beyond
-        # the drafts in use stays until a longer draft measures them again.
-        for i in range(min(num_accepted + 1, drafted)):
-            self.reached[i] = self.reached[i] * self.decay + 1.0
-            self.accepted[i] = self.accepted[i] * self.decay + float(i < num_accepted)
-
-    def rates(
-        self, n: int, prior: PositionStats | None = None, strength: float = 2.0
-    ) -> list[float]:
-        """a_1..a_n, each shrunk towards ``prior``'s, or without one towards the position
-        before it (conditional acceptance changes slowly along a block; 0.5 for the first)."""
-        out: list[float] = []
-        base_rates = prior.rates(n) if prior is not None else None
-        for i in range(n):
-            base = base_rates[i] if base_rates is not None else (out[-1] if out else 0.5)
-            r = self.reached[i] if i < len(self.reached) else 0.0
-            a = self.accepted[i] if i < len(self.accepted) else 0.0
-            out.append((a + strength * base) / (r + strength))
-        return out
-
-    @property
-    def observed(self) -> bool:
-        return bool(self.reached) and self.reached[0] > 0
-
-
-def expected_tokens(rates: Sequence[float]) -> float:
-    """E(n) = 1 + sum_j prod_{i<=j} a_i: tokens per round when n = len(rates) drafts are verified."""
-    total, run = 1.0, 1.0
-    for a in rates:
-        run *= a
-        total += run
-    return total
 
 
 @dataclass
@@ -228,6 +180,13 @@ class SpeculationPolicy:
             if measuring and not self.on and not h.wait_from_cold:
                 h.probe_interval, h.since_probe = self._next_interval(), 0
 
+    def copy_timed(self, drafted: int, verify_s: float | None) -> None:
+        """A copy round of ``drafted`` tokens timed alone: the verify's cost per token, while
+        nothing else has measured it (a host that skipped calibration and has no drafter)."""
+        h = self.host
+        if h.per_token_s.value is None and None not in (verify_s, h.step_s.value):
+            h.per_token_s.add(max(verify_s - h.step_s.value, 0.0) / max(drafted, 1))
+
     def count_plain(self, tokens: int) -> None:
         """Tokens committed without the drafter (plain steps, copy rounds): they bring the
         next probe closer while speculation is off."""
@@ -331,7 +290,9 @@ class AutoProposer:
         if self.next_len and self.spec is not None:
             self.current = self.spec.propose(tokens)
         elif self.copies is not None and (
-            copy := self.copies.propose(tokens, self.host.step_s.value, self.greedy)
+            copy := self.copies.propose(
+                tokens, self.host.step_s.value, self.host.per_token_s.value, self.greedy
+            )
         ):
             self.copy = copy
             self.current = Proposal(copy.tokens, copy.q, source="copy")
@@ -363,7 +324,8 @@ class AutoProposer:
             self.host.read_s.add(verify_s / max(self.target_len, 1))
         if self.copy is not None:  # a copy round: the drafter's figures are not its business
             assert self.copies is not None
-            self.copies.record(self.copy, len(acc.tokens), verify_s)
+            self.copies.record(self.copy, acc.num_accepted)
+            self.policy.copy_timed(self.copy.tokens.numel(), verify_s)
             self.policy.count_plain(len(acc.tokens))
             self.prev_spec = False
         elif cur is not None:  # round 0 (the prefill) has no proposal

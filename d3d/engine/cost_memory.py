@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from d3d.config import ModelConfig
-from d3d.decoding.costs import Ema
+from d3d.decoding.costs import Ema, PositionStats
 from d3d.decoding.lookup import CopyCosts
-from d3d.decoding.policy import HostCosts, PositionStats
+from d3d.decoding.policy import HostCosts
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 2: copy rounds keep acceptance per position
 
 
 def _cpu() -> str:
@@ -84,10 +84,8 @@ def from_dict(d: dict) -> HostCosts:
         read_s=_ema(d["read_s"]),
         answer_len=_ema(d["answer_len"]),
         copy=CopyCosts(
-            tokens=[_ema(x) for x in c["tokens"]],
-            tried=[int(x) for x in c["tried"]],
+            accept=[_positions(x) for x in c["accept"]],
             skipped=[int(x) for x in c["skipped"]],
-            round_s=_ema(c["round_s"]),
         ),
     )
 

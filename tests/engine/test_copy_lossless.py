@@ -38,8 +38,9 @@ def losing_drafter_host() -> HostCosts:
 
 def copying_auto(target, vocab: int, block: int = 16, drafter: bool = True) -> AutoProposer:
     """auto with a drafter that never pays (``drafter=False``: none at all, which is cheaper
-    per request) and copies verified at every match."""
-    copies = CopyDrafts(CopyCosts(), max_len=block - 1, vocab_size=vocab, explore=10**9)
+    per request) and copies verified at every match (a
+    losing one at its best length)."""
+    copies = CopyDrafts(CopyCosts(), max_len=block - 1, vocab_size=vocab, retry_every=1)
     spec = (
         SyncProposer(D3DDrafter.from_target(target, 1, block_size=block))
         if drafter

@@ -19,9 +19,8 @@ def learned() -> HostCosts:
     host.read_s.add(0.002)
     host.answer_len.add(14)
     host.probe_interval, host.since_probe = 256, 40
-    host.copy.tokens[1].add(7.5)
-    host.copy.tried[1], host.copy.skipped[0] = 3, 5
-    host.copy.round_s.add(0.1)
+    host.copy.record(1, 6, 4)
+    host.copy.skipped[0] = 5
     return host
 
 
@@ -31,7 +30,7 @@ def test_costs_round_trip(tmp_path):
     save_costs(host, path)
     back = load_costs(path)
     assert back is not None and asdict(back) == asdict(host)
-    assert back.copy.tokens[1].value == 7.5 and back.accept.reached[0] == 1.0
+    assert back.copy.accept[1].accepted[:5] == [1.0] * 4 + [0.0] and back.accept.reached[0] == 1.0
 
 
 def test_missing_damaged_or_foreign_files_are_a_fresh_start(tmp_path):

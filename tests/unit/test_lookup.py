@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from d3d.decoding.lookup import BUCKETS, CopyCosts, CopyDrafts, find_copy, one_hot_q
+from d3d.decoding.lookup import CopyCosts, CopyDraft, CopyDrafts, find_copy, one_hot_q
 
 
 def test_the_longest_match_wins_over_a_later_shorter_one():
@@ -60,40 +60,61 @@ def _drafts(**kw) -> CopyDrafts:
     return CopyDrafts(CopyCosts(), max_len=15, vocab_size=50, **kw)
 
 
+STEP, PER_TOKEN = 0.1, 0.005  # a verify of 16 tokens: 1.75 plain steps
+
+
 def test_no_copy_before_a_plain_step_was_measured_and_q_only_when_sampling():
     d = _drafts()
     tokens = [1, 2, 3, 9, 1, 2]
-    assert d.propose(tokens, None, True) is None
-    greedy = d.propose(tokens, 0.05, True)
+    assert d.propose(tokens, None, PER_TOKEN, True) is None
+    greedy = d.propose(tokens, STEP, None, True)  # no verify cost known: the copy whole
     assert greedy is not None and greedy.q is None and greedy.tokens.tolist() == [3, 9, 1, 2]
     assert greedy.bucket == 1  # a two-token match
-    sampled = d.propose(tokens, 0.05, False)
+    sampled = d.propose(tokens, STEP, None, False)
     assert sampled.q is not None and sampled.q.shape == (4, 50)
 
 
-def test_a_bucket_is_explored_then_judged_and_retried_now_and_then():
-    d = _drafts(explore=2, retry_every=3)
-    tokens = [8, 1, 2, 3, 9, 1]  # a one-token match: bucket 0
-    step = 0.1
-    for _ in range(2):  # exploring: copies are proposed whatever they achieved
-        c = d.propose(tokens, step, True)
-        assert c is not None and c.bucket == 0
-        d.record(c, emitted=1, verify_s=0.2)  # one token for two steps' time: a loss
-    assert d.propose(tokens, step, True) is None
-    assert d.propose(tokens, step, True) is None
-    again = d.propose(tokens, step, True)  # the third declined match tries again
-    assert again is not None
-    d.record(again, emitted=8, verify_s=0.2)  # now it pays: 4 steps' worth a round
-    # the average moved towards 8 tokens a round
-    assert d.costs.tokens[0].value > 2 and d.propose(tokens, step, True) is not None
+def test_an_unknown_bucket_is_tried_whole_a_missing_one_shorter_a_losing_one_now_and_then():
+    d = _drafts(retry_every=3)
+    tokens = [8, 1, 2, 3, 9, 4, 5, 6, 7, 10, 11, 12, 1]  # a one-token match: bucket 0
+    first = d.propose(tokens, STEP, PER_TOKEN, True)
+    assert first is not None and first.bucket == 0
+    assert len(first.tokens) == 11  # nothing known: taken for a quotation, verified whole
+    d.record(first, num_accepted=0)
+    shorter = d.propose(tokens, STEP, PER_TOKEN, True)
+    assert shorter is not None and 1 < len(shorter.tokens) < 11  # one miss: a shorter try
+    for _ in range(40):  # its first token is never accepted: a loss at every length
+        d.record(first, num_accepted=0)
+    assert d.propose(tokens, STEP, PER_TOKEN, True) is None
+    assert d.propose(tokens, STEP, PER_TOKEN, True) is None
+    again = d.propose(tokens, STEP, PER_TOKEN, True)  # the third declined match tries again
+    assert again is not None and len(again.tokens) == 1  # at the cheapest length
+    sampled = _drafts(retry_every=1)
+    sampled.costs = d.costs
+    cut = sampled.propose(tokens, STEP, PER_TOKEN, False)
+    assert cut.q is not None and cut.q.shape == (len(cut.tokens), 50)
+
+
+def test_the_length_follows_acceptance_and_cost():
+    d = _drafts()
+    tokens = [8, 1, 2, 3, 9, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17, 1, 2, 3]  # bucket 2
+    for _ in range(30):  # quotations: accepted whole
+        d.record(CopyDraft(torch.arange(15), None, 2), num_accepted=15)
+    whole = d.propose(tokens, STEP, PER_TOKEN, True)
+    assert whole is not None and len(whole.tokens) == 15
+    d = _drafts()
+    for _ in range(30):  # where only the first token is ever accepted
+        d.record(CopyDraft(torch.arange(15), None, 2), num_accepted=1)
+    short = d.propose(tokens, STEP, PER_TOKEN, True)
+    assert short is not None and len(short.tokens) == 1  # the one that is accepted
+    # an expensive verify (each token a plain step's worth) makes the same figures lose
+    assert d.length(2, 15, STEP, STEP) == 0
 
 
 def test_buckets_are_judged_apart():
-    d = _drafts(explore=1)
-    costs = d.costs
-    costs.tried = [1] * BUCKETS
-    costs.round_s.add(0.2)
-    costs.tokens[0].add(1.0)  # one-token matches lose
-    costs.tokens[3].add(9.0)  # long matches pay
-    assert not d.pays(0, 0.1)
-    assert d.pays(3, 0.1)
+    d = _drafts()
+    for _ in range(40):
+        d.record(CopyDraft(torch.arange(8), None, 0), num_accepted=0)  # one-token matches lose
+        d.record(CopyDraft(torch.arange(8), None, 3), num_accepted=8)  # long matches pay
+    assert d.length(0, 15, STEP, PER_TOKEN) == 0
+    assert d.length(3, 15, STEP, PER_TOKEN) == 15
