@@ -114,11 +114,20 @@ class SpeculationPolicy:
             None not in (h.step_s.value, h.per_token_s.value, h.wait_s.value) and h.accept.observed
         )
 
-    def rate(self, n: int) -> float:
-        """Expected tokens per second when verifying n drafts."""
+    def rate(self, n: int, step_s: float | None = None) -> float:
+        """Expected tokens per second when verifying n drafts (``step_s``: what a plain token
+        costs, when not the host's plain step: the row's share of a batched step)."""
         h = self.host
+        step = h.step_s.value if step_s is None else step_s
         a = self.accept.rates(n, prior=h.accept)
-        return expected_tokens(a) / (h.step_s.value + h.per_token_s.value * n + h.wait_s.value)
+        return expected_tokens(a) / (step + h.per_token_s.value * n + h.wait_s.value)
+
+    def pays_at(self, n: int, step_s: float) -> bool:
+        """Whether verifying n drafts beats plain tokens that cost ``step_s`` each (True while
+        the figures are not known: they are measured first)."""
+        if not self._known():
+            return True
+        return self.rate(n, step_s) > (1.0 + self.margin) / step_s
 
     def _decide(self) -> None:
         lengths = [n for n in LENGTHS if n < self.max_len] + [self.max_len]
@@ -146,7 +155,7 @@ class SpeculationPolicy:
         first_of_run: bool,
     ) -> None:
         """A finished round: ``drafted`` drafts verified (0: a plain step), ``tokens`` emitted;
-        its target time (None: it rode in a wider forward, not its own cost) and the wait for
+        its target time (None: it shared a forward, not its own cost) and the wait for
         its draft; ``first_of_run``: the first speculative round after plain ones."""
         h = self.host
         if drafted == 0:
@@ -259,6 +268,8 @@ class AutoProposer:
         self.copies = copies
         self.busy = busy or (lambda: False)
         self.copy: CopyDraft | None = None  # the copy verified this round, if any
+        self.share_s: float | None = None  # this row's share of a batched step (None: alone)
+        self.token_s: float | None = None  # a batched forward's cost per token
 
     def start(
         self,
@@ -285,32 +296,32 @@ class AutoProposer:
         self.current: Proposal | None = None
         self.prev_spec = False
 
+    def batch(self, share_s: float | None, token_s: float | None = None) -> None:
+        """What this row's plain token costs in the step about to run when other rows share it
+        (the batched step's time over its rows; None: alone), and what one more token of the
+        step's forward costs (``token_s``, used while the host has no verify cost per token). A
+        copy or a speculative round adds its verified tokens to the whole batch's forward, so
+        in a batch it must beat that share, not a plain step alone: on a CPU, where a batched
+        step costs ~1 ms more a row, a copy that pays alone loses among 16 rows."""
+        self.share_s, self.token_s = share_s, token_s
+
+    def _plain_s(self) -> float | None:
+        """What a plain token of this row costs now."""
+        return self.share_s if self.share_s is not None else self.host.step_s.value
+
     def propose(self, tokens: list[int]) -> Proposal:
         self.copy = None
         if self.next_len and self.spec is not None:
             self.current = self.spec.propose(tokens)
         elif self.copies is not None and (
             copy := self.copies.propose(
-                tokens, self.host.step_s.value, self.host.per_token_s.value, self.greedy
+                tokens, self._plain_s(), self.host.per_token_s.value or self.token_s, self.greedy
             )
         ):
             self.copy = copy
             self.current = Proposal(copy.tokens, copy.q, source="copy")
         else:
             self.current = NO_DRAFT
-        return self.current
-
-    def ride(self, tokens: list[int], room: int) -> Proposal | None:
-        """A copy to verify in a forward that is already ``room`` + 1 tokens wide because
-        another row drafts: it costs (almost) nothing there and emits at least the token a
-        plain step would, so it goes in whatever the copy figures say (None: no copy)."""
-        if self.copies is None or self.current is not NO_DRAFT:
-            return None
-        copy = self.copies.find(tokens, room, self.greedy)
-        if copy is None:
-            return None
-        self.copy = copy
-        self.current = Proposal(copy.tokens, copy.q, source="copy")
         return self.current
 
     @property
@@ -320,12 +331,13 @@ class AutoProposer:
     def observe(self, acc: Acceptance, verify_s: float | None, next_len: int | None = None) -> None:
         cur = self.current
         self.produced += len(acc.tokens)
+        own_s = verify_s if self.share_s is None else None  # a batch's time is no row's step
         if cur is None and verify_s is not None:  # round 0: the prefill (of the target's prompt)
             self.host.read_s.add(verify_s / max(self.target_len, 1))
         if self.copy is not None:  # a copy round: the drafter's figures are not its business
             assert self.copies is not None
             self.copies.record(self.copy, acc.num_accepted)
-            self.policy.copy_timed(self.copy.tokens.numel(), verify_s)
+            self.policy.copy_timed(self.copy.tokens.numel(), own_s)
             self.policy.count_plain(len(acc.tokens))
             self.prev_spec = False
         elif cur is not None:  # round 0 (the prefill) has no proposal
@@ -334,7 +346,7 @@ class AutoProposer:
                 cur.k,
                 acc.num_accepted,
                 len(acc.tokens),
-                verify_s,
+                own_s,
                 cur.wait_s,
                 spec and not self.prev_spec,
             )
@@ -343,6 +355,9 @@ class AutoProposer:
         # A worker that failed serves this request no more: plain steps to the end.
         off = next_len == 0 or self.spec is None or getattr(self.spec, "failed", False)
         self.next_len = 0 if off else self.policy.next_len()
+        share = self.share_s
+        if self.next_len and share is not None and not self.policy.pays_at(self.next_len, share):
+            self.next_len = 0  # it pays alone, not among the rows sharing the step
         if self.next_len > 0 and not was and self.busy():
             self.next_len = 0  # a run starts only while the drafter's device is free
         if self.next_len > 0 and not was and not self._catch_up_pays():

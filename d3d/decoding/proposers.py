@@ -57,7 +57,6 @@ class Proposal:
     source: str = (
         "drafter"  # or "copy": tokens copied from the request's text (d3d.decoding.lookup)
     )
-    rode: bool = False  # verified only because another row made the forward wide
 
     @property
     def k(self) -> int:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -229,16 +228,25 @@ class Scheduler:
                 self._first_token(row, lg[-1])
 
     def _propose(self, rows: Sequence[Row]) -> list[Proposal]:
-        """Every decoding row's proposal; where the forward is wide anyway (a row drafts), rows
-        with nothing to verify may ride along with a copy of their own text."""
-        proposals = [r.proposer.propose(r.tokens) for r in rows]
-        width = 1 + max((p.k for p in proposals), default=0)
-        if width > 1:
-            for b, (row, p) in enumerate(zip(rows, proposals, strict=True)):
-                ride = getattr(row.proposer, "ride", None)
-                if p.k == 0 and ride is not None and (c := ride(row.tokens, width - 1)):
-                    proposals[b] = replace(c, rode=True)
-        return proposals
+        """Every decoding row's proposal. Rows that price their rounds are told their share of
+        the step first (:meth:`share_s`): every verified token widens the one flat forward,
+        whichever row it belongs to, so a round pays in a batch only against that share."""
+        share = self.share_s(len(rows))
+        token_s = fit[1] if share is not None and (fit := self.prefill_budget.cost.fit()) else None
+        for r in rows:
+            if (batch := getattr(r.proposer, "batch", None)) is not None:
+                batch(share, token_s)
+        return [r.proposer.propose(r.tokens) for r in rows]
+
+    def share_s(self, rows: int) -> float | None:
+        """A decoding row's share of a plain step among ``rows`` rows: the step's time from the
+        fitted forward cost ``t(n) = a + b n`` (:class:`PrefillBudget`) over the rows; None for
+        a row alone (it is priced with the host's plain step) or before any forward was timed."""
+        fit = self.prefill_budget.cost.fit() if rows > 1 else None
+        if fit is None:
+            return None
+        a, b = fit
+        return (a + b * rows) / rows
 
     def _accept(
         self,
@@ -262,8 +270,8 @@ class Scheduler:
         width = 1 + max(p.k for p in proposals)
         for row, p, acc in zip(rows, proposals, accs, strict=True):
             self.kv.commit(row.kv, acc.num_emitted)
-            # A round that rode in a wider forward (or beside a prompt) did not pay for it alone.
-            own = p.k + 1 == width and not p.rode and not shared
+            # A round in a wider forward (or beside a prompt) did not pay for it alone.
+            own = p.k + 1 == width and not shared
             row.proposer.observe(acc, seconds if own else None)
             emitted = self._emit(row, acc.tokens)
             row.stats.record(

@@ -103,3 +103,31 @@ def test_sampled_async_rows_in_a_batch_match_the_target_distribution():
         assert stat < chi2_critical(df), (stat, df)
     finally:
         engine.close()
+
+
+def test_rows_are_told_their_share_of_a_batched_step():
+    """Before proposing, every row that prices its rounds hears what its plain token costs in
+    this step: the fitted forward cost over the rows when several share it, None alone."""
+    from d3d.decoding.proposers import ArProposer
+    from d3d.engine import Scheduler
+
+    told: list[tuple[int, float | None]] = []
+
+    class Priced(ArProposer):
+        def batch(self, share_s, token_s=None):
+            told.append((len(sched.rows), share_s))
+
+    sched = Scheduler(tiny_model("llama", seed=1), set(), lambda req: Priced(), max_kv_tokens=4096)
+    for p in prompts(3):
+        sched.add(GenRequest(p, 6, mode="ar"))
+    while not sched.idle:
+        sched.step()
+    shared = [s for rows, s in told if rows == 3 and s is not None]
+    assert shared and all(0 < s for s in shared)
+    a, b = sched.prefill_budget.cost.fit()
+    assert sched.share_s(3) == pytest.approx((a + 3 * b) / 3)
+    told.clear()
+    sched.add(GenRequest(prompts(1)[0], 4, mode="ar"))
+    while not sched.idle:
+        sched.step()
+    assert told and all(s is None for _, s in told)

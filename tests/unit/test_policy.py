@@ -268,3 +268,52 @@ def test_auto_starts_no_speculative_run_while_the_drafters_device_reads_a_docume
     assert auto.propose([]).k > 0
     auto.observe(Acceptance(15, list(range(16))), STEP + 15 * PER_TOKEN)
     assert auto.next_len > 0, "a run under way goes on"
+
+
+def test_in_a_batch_a_round_must_beat_the_rows_share_of_the_step():
+    """A drafter accepted half the time pays alone (a plain step is 40 ms) but not where the
+    row's plain token costs 2 ms of a batched step: the same figures, priced at the share, take
+    plain steps; alone again, it speculates. A batch's time is no row's own step: the host's
+    plain step is not learned from it."""
+    from d3d.decoding.policy import AutoProposer
+    from d3d.decoding.verify import Acceptance
+
+    host = _paying_host()
+    host.accept = PositionStats()
+    for _ in range(30):
+        host.accept.update(drafted=4, num_accepted=2)
+    auto = AutoProposer(SpecDouble(), host)
+    auto.start([1, 2, 3], SamplingConfig(), None)
+    auto.observe(Acceptance(0, [7]), 0.1)
+    assert auto.next_len > 0, "alone it pays"
+    auto.batch(0.002, PER_TOKEN)
+    auto.propose([])
+    auto.observe(Acceptance(2, [4, 5, 6]), 0.5)  # a wide batched forward
+    assert auto.next_len == 0, "at a 2 ms share it does not"
+    assert host.step_s.value == pytest.approx(STEP), "a batched step taught the host nothing"
+    auto.batch(None)
+    auto.propose([])
+    auto.observe(Acceptance(0, [8]), STEP)
+    assert auto.next_len > 0
+
+
+def test_in_a_batch_a_copy_is_cut_to_what_pays_at_the_rows_share():
+    """A one-token match accepted a third of the time: verified short it pays alone; at a 1 ms
+    share of a batched step (each verified token costs 3.7 ms of forward) it does not."""
+    import torch
+
+    from d3d.decoding.lookup import CopyCosts, CopyDraft, CopyDrafts
+    from d3d.decoding.policy import AutoProposer
+
+    host = _paying_host()
+    copies = CopyDrafts(host.copy, max_len=15, vocab_size=50)
+    for i in range(60):
+        copies.record(CopyDraft(torch.arange(4), None, 0), num_accepted=int(i % 3 == 0))
+    auto = AutoProposer(None, host, copies=copies)
+    auto.start([1, 2, 3], SamplingConfig(), None)
+    text = [8, 1, 2, 3, 9, 4, 5, 6, 7, 1]
+    alone = auto.propose(text)
+    assert alone.source == "copy" and 0 < alone.k < 4
+    auto.batch(0.001, PER_TOKEN)
+    assert auto.propose(text).k == 0
+    assert isinstance(host.copy, CopyCosts)
