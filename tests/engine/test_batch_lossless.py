@@ -123,7 +123,7 @@ def test_rows_are_told_their_share_of_a_batched_step():
     while not sched.idle:
         sched.step()
     shared = [s for rows, s in told if rows == 3 and s is not None]
-    assert shared and all(0 < s for s in shared)
+    assert shared and all(s > 0 for s in shared)
     a, b = sched.prefill_budget.cost.fit()
     assert sched.share_s(3) == pytest.approx((a + 3 * b) / 3)
     told.clear()
