@@ -1,6 +1,6 @@
 """The target's KV cache: keys and values per row, each growing with its row, under a budget.
 
-Every row (a running request) owns, per layer, key and value buffers ``[Hkv, C, D]`` whose
+Every row (a running request) owns, per layer, key and value buffers ``[1, Hkv, C, D]`` whose
 capacity C grows with the row (doubling, in steps of ``GROW`` positions, never past what the row
 reserved): a long request among short ones costs its own length, never the longest row's times
 the batch, and a row's keys are one contiguous view, read in place by attention (no gather,
@@ -48,7 +48,7 @@ class KvLimitError(ValueError):
 
 @dataclass(eq=False)  # rows are told apart by identity, never by their tensors
 class KvRow:
-    """One row's key and value buffers per layer ``[Hkv, C, D]``, its committed length, and the
+    """One row's key and value buffers per layer ``[1, Hkv, C, D]``, its committed length, and the
     tokens it reserved at admission."""
 
     reserved: int
@@ -58,11 +58,11 @@ class KvRow:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1] if self.k else 0
+        return self.k[0].shape[2] if self.k else 0
 
     def keys(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n keys and values of ``layer``, in place: [1, Hkv, n, D] each."""
-        return self.k[layer][None, :, :n], self.v[layer][None, :, :n]
+        return self.k[layer].narrow(2, 0, n), self.v[layer].narrow(2, 0, n)
 
 
 def default_kv_tokens(model, share_cpu: float = 0.25, share_gpu: float = 0.8) -> int:
@@ -148,7 +148,7 @@ class RowKV(RaggedCache):
         limit = -(-max(row.reserved, length) // GROW) * GROW
         new = min(max(length, 2 * cap), limit)
         new = -(-new // GROW) * GROW
-        shape = (self.kv_heads, new, self.head_dim)
+        shape = (1, self.kv_heads, new, self.head_dim)
         k = [
             torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
@@ -157,8 +157,8 @@ class RowKV(RaggedCache):
         ]
         n = row.length
         for i in range(len(row.k)):
-            k[i][:, :n] = row.k[i][:, :n]
-            v[i][:, :n] = row.v[i][:, :n]
+            k[i][:, :, :n] = row.k[i][:, :, :n]
+            v[i][:, :, :n] = row.v[i][:, :, :n]
         row.k, row.v = k, v
 
     def load(self, row: KvRow, cache: DynamicCache) -> None:
@@ -166,8 +166,8 @@ class RowKV(RaggedCache):
         n = cache.get_seq_length()
         self.ensure(row, n)
         for i, layer in enumerate(cache.layers):
-            row.k[i][:, :n] = layer.keys[0].to(self.dtype)
-            row.v[i][:, :n] = layer.values[0].to(self.dtype)
+            row.k[i][:, :, :n] = layer.keys.to(self.dtype)
+            row.v[i][:, :, :n] = layer.values.to(self.dtype)
         row.length = n
 
     def snapshot(self, row: KvRow) -> DynamicCache:
@@ -208,8 +208,10 @@ class RowKV(RaggedCache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write each row's new keys [1, Hkv, T_r, D] (of [1, Hkv, N, D]) after its length.
         Returns the new keys as given: the ragged attention reads the rows' buffers."""
-        for row, q, w in self._fwd:
+        dst, src = [], []
+        for row, q, w in self._fwd:  # one copy call for every row (a call costs ~5 us on a CPU)
             n = row.length
-            row.k[layer_idx][:, n : n + w] = key_states[0, :, q : q + w]
-            row.v[layer_idx][:, n : n + w] = value_states[0, :, q : q + w]
+            dst += (row.k[layer_idx].narrow(2, n, w), row.v[layer_idx].narrow(2, n, w))
+            src += (key_states.narrow(2, q, w), value_states.narrow(2, q, w))
+        torch._foreach_copy_(dst, src)
         return key_states, value_states

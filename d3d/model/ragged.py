@@ -60,8 +60,8 @@ def ragged_attention(
     layer = module.layer_idx
     gqa = query.shape[1] != key.shape[1]
     for s in segments:
-        q = query[:, :, s.q0 : s.q1]
         t = s.q1 - s.q0
+        q = query.narrow(2, s.q0, t)
         k, v = s.row.keys(layer, s.past + t)
         mask = s.mask
         if mask is None and t > 1:  # query i sees keys 0 .. past + i
