@@ -3,7 +3,8 @@
 A prompt is split into prefix (instruction) / context (the document) / suffix (the question);
 only the context is cut, into units (:mod:`compression.units`). Scorers (:mod:`compression.scorers`
 for the model-free ones and the hybrids, :mod:`compression.question_scorer` for the drafter's
-question likelihood, :mod:`compression.drafter_scorers` for its attention) share one interface
+question likelihood, :mod:`compression.match_scorer` for the question matched by meaning in
+its first layers, :mod:`compression.drafter_scorers` for its attention) share one interface
 and one selection rule (:mod:`compression.selection`), so they differ only in what they rank;
 :mod:`compression.presets` holds the measured choices per model pair (``auto``),
 :mod:`compression.gaps` marks the cuts in the kept prompt, :mod:`compression.compressor` ties

@@ -29,6 +29,7 @@ from compression.drafter_scorers import (
     DrafterPerplexityScorer,
 )
 from compression.gaps import GAPS, GapMarker, runs
+from compression.match_scorer import DrafterMatchScorer
 from compression.presets import make_attention_scorer, resolve_scorer
 from compression.prompt import PromptParts, Tokenizer
 from compression.question_scorer import DrafterQuestionScorer
@@ -49,6 +50,7 @@ SCORERS = (
     "attention-bm25",
     "hybrid",
     "drafter",
+    "drafter-match",
     "drafter-attention",
     "bm25",
     "head-tail",
@@ -60,6 +62,7 @@ DRAFTER_SCORERS = (
     "attention-bm25",
     "hybrid",
     "drafter",
+    "drafter-match",
     "drafter-attention",
     "drafter-ppl",
 )
@@ -205,6 +208,8 @@ def make_scorer(
         weights = cfg.fusion_weights if cfg.scorer == "attention-bm25" else cfg.question_fusion
         fusion = "sum" if cfg.scorer == "attention-bm25" else cfg.hybrid_fusion
         return HybridScorer(reader, lexical, weights, cfg.fusion_k, cfg.pooling, cfg.scorer, fusion)
+    if cfg.scorer == "drafter-match":
+        return DrafterMatchScorer(drafter)  # type: ignore[arg-type]
     if cfg.scorer == "drafter-ppl":
         return DrafterPerplexityScorer(drafter)  # type: ignore[arg-type]
     if cfg.scorer == "head-tail":

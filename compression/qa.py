@@ -219,6 +219,8 @@ class DocumentQA:
     def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:
         """Whether the reader's pass over this document is in the cache."""
         name = self.resolve(scorer)
+        if name == "drafter-match" and name in self._compressors:
+            return self._compressors[name].scorer.has_read(parts)  # type: ignore[attr-defined]
         if name in QUESTION_SCORERS and self._question is not None:
             units = self.compressor(name).units(parts)
             return self._question.reading_key(parts, units) in self.cache

@@ -17,6 +17,10 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
   in a :class:`HostCosts` that the engine shares across requests.
 - ``a_i`` are counts of (reached, accepted) per draft position with exponential forgetting:
   this request's own, shrunk towards the host's (acceptance depends on the text).
+- In a batch a plain token costs the row only its share of the step (the scheduler's fitted
+  forward cost over its rows, :meth:`AutoProposer.batch`), while every verified token widens the
+  one forward all rows share: a round there must beat that share, ``t_step`` replaced by it in
+  both sides of the rule (copy rounds too), and a batched step's time teaches the host nothing.
 - Verifying fewer drafts is the lever on a host where the verify forward is expensive (this
   CPU: 16 tokens cost ~2.4 steps): a drafter accepted ~50% at position 1 pays at n = 2-4 and
   loses at n = 15.

@@ -157,7 +157,7 @@ def test_qa_answers_every_needle_at_keep_02_and_keeps_them_whole_at_01(haystack,
     kept = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for (needle, _, _), row in zip(NEEDLES, kept, strict=True):
         assert needle in row["kept_text"], needle
-        assert row["compression"]["scorer"] == "attention-bm25"  # what auto is for this pair
+        assert row["compression"]["scorer"] == "drafter-match"  # what auto is for this pair
     assert main(["qa", *common, "--keep", "0.2", "--max-new-tokens", "24"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for (_, question, answer), row in zip(NEEDLES, rows, strict=True):
