@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -35,9 +35,10 @@ from compression.prompt import PromptParts
 from compression.reading import EarlyExit, windows
 from compression.selection import spread
 from compression.units import Chunk, fixed_chunks
+from d3d.engine.kv_store import BoundedLru
 from d3d.model.drafter import D3DDrafter
 
-MEMO_DOCUMENTS = 8  # documents whose states are kept (~H x 4 bytes a token)
+MEMO_DOCUMENTS = 8  # documents whose states are kept (H x 4 bytes a token; 1 GiB at most)
 
 
 class DrafterMatchScorer:
@@ -53,7 +54,7 @@ class DrafterMatchScorer:
         # A drafter shallower than ``depth`` is read through all its layers.
         depth = min(depth, len(drafter.lm.model.layers))
         self.model, self.depth, self.window = drafter, depth, window
-        self._memo: OrderedDict[str, torch.Tensor] = OrderedDict()  # the last documents' states
+        self._memo: BoundedLru[torch.Tensor] = BoundedLru(max_entries=MEMO_DOCUMENTS)
 
     @torch.inference_mode()
     def states(self, ids: Sequence[int]) -> torch.Tensor:
@@ -96,12 +97,11 @@ class DrafterMatchScorer:
 
     def _document(self, parts: PromptParts) -> torch.Tensor:
         key = self.reading_key(parts)
-        if key not in self._memo:
-            self._memo[key] = self.states(parts.context)
-            while len(self._memo) > MEMO_DOCUMENTS:
-                self._memo.popitem(last=False)
-        self._memo.move_to_end(key)
-        return self._memo[key]
+        states = self._memo.get(key)
+        if states is None:
+            states = self.states(parts.context)
+            self._memo.put_sized(key, states, states.nbytes)
+        return states
 
     def unit_scores(self, parts: PromptParts, units: Sequence[Chunk]) -> torch.Tensor:
         """The score of every unit, [C]."""

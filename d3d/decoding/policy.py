@@ -136,7 +136,7 @@ class SpeculationPolicy:
     def _decide(self) -> None:
         lengths = [n for n in LENGTHS if n < self.max_len] + [self.max_len]
         self.best = max(lengths, key=self.rate)
-        self.on = self.rate(self.best) > (1.0 + self.margin) / self.host.step_s.value
+        self.on = self.pays_at(self.best, self.host.step_s.value)
 
     def next_len(self) -> int:
         """Drafts to verify in the next round: 0 for a plain step."""

@@ -231,8 +231,7 @@ class Scheduler:
         """Every decoding row's proposal. Rows that price their rounds are told their share of
         the step first (:meth:`share_s`): every verified token widens the one flat forward,
         whichever row it belongs to, so a round pays in a batch only against that share."""
-        share = self.share_s(len(rows))
-        token_s = fit[1] if share is not None and (fit := self.prefill_budget.cost.fit()) else None
+        share, token_s = self._prices(len(rows))
         for r in rows:
             if (batch := getattr(r.proposer, "batch", None)) is not None:
                 batch(share, token_s)
@@ -242,11 +241,15 @@ class Scheduler:
         """A decoding row's share of a plain step among ``rows`` rows: the step's time from the
         fitted forward cost ``t(n) = a + b n`` (:class:`PrefillBudget`) over the rows; None for
         a row alone (it is priced with the host's plain step) or before any forward was timed."""
+        return self._prices(rows)[0]
+
+    def _prices(self, rows: int) -> tuple[float | None, float | None]:
+        """(a row's share of the step, a token's cost ``b``) from one fit; (None, None) alone."""
         fit = self.prefill_budget.cost.fit() if rows > 1 else None
         if fit is None:
-            return None
+            return None, None
         a, b = fit
-        return (a + b * rows) / rows
+        return (a + b * rows) / rows, b
 
     def _accept(
         self,
