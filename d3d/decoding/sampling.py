@@ -19,7 +19,12 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature- and top-p-processed distributions: logits [T, V] -> probs [T, V] (fp32)."""
     if cfg.greedy:
         raise ValueError("greedy decoding uses argmax, not probabilities")
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    # Shifted by the max first (softmax does not change): a tiny temperature then sends the
+    # others far below, never the max to +inf (inf - inf would make the distribution NaN); and
+    # never below float32's smallest normal, which a temperature like 1e-300 rounds to 0 (0 / 0).
+    x = logits.float()
+    t = max(cfg.temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax((x - x.amax(dim=-1, keepdim=True)) / t, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest set whose mass reaches top_p: a token stays if the mass before it

@@ -45,6 +45,15 @@ def test_probabilities_temperature_and_top_p():
         probabilities(logits, SamplingConfig())
 
 
+def test_a_vanishing_temperature_samples_the_argmax_not_nan():
+    """3e-217 (a client may send it) divides logits past float range: the distribution must
+    still be one, all of it on the most likely token."""
+    logits = torch.tensor([[1.5, 3.0, -2.0, 2.9]])
+    p = probabilities(logits, SamplingConfig(temperature=3.5e-217))
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    assert pick(logits[0], SamplingConfig(temperature=1e-300, seed=1), None) == 1
+
+
 def test_pick_greedy_is_argmax():
     assert pick(torch.tensor([0.1, 3.0, 2.0]), SamplingConfig(), None) == 1
 
