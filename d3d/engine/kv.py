@@ -1,20 +1,22 @@
 """The target's KV cache: keys and values per row, each growing with its row, under a budget.
 
-Every row (a running request) owns, per layer, key and value buffers ``[1, Hkv, C, D]`` whose
-capacity C grows with the row (doubling, in steps of ``GROW`` positions, never past what the row
-reserved): a long request among short ones costs its own length, never the longest row's times
-the batch, and a row's keys are one contiguous view, read in place by attention (no gather,
-no copy per step). The budget is ``max_tokens`` (``--max-kv-tokens``): a request reserves
-prompt + budget + one block when it is admitted (:meth:`RowKV.fits`), so a running row never
-runs out, a request that does not fit now waits, and one that could never fit is refused at
-once (:class:`KvLimitError`, whose message names the limit). What is allocated at any moment
-is the rows' capacities, at most what they reserved.
+Every row (a running request) owns a slot of capacity C in the slab of that capacity
+(:mod:`d3d.engine.slabs`): C grows with the row (doubling, in multiples of ``GROW`` positions,
+never past what the row reserved), so a long request among short ones costs its own length,
+never the longest row's times the batch; a row's keys are one view, read in place by attention
+(no gather, no copy per step), and the decoding rows of a slab are read in one attention call.
+The budget is ``max_tokens`` (``--max-kv-tokens``): a request reserves prompt + budget + one
+block when it is admitted (:meth:`RowKV.fits`), so a running row never runs out, a request that
+does not fit now waits, and one that could never fit is refused at once (:class:`KvLimitError`,
+whose message names the limit). What is allocated at any moment is the slabs' slots, never more
+than the budget (or the open rows' reservations rounded up to ``GROW``, if that is more).
 
 A forward covers any list of rows, each with its own number T_r of new tokens, flattened into
 one sequence of N tokens (:mod:`d3d.model.ragged`). :meth:`RowKV.begin` gives the position ids
-and each row's :class:`~d3d.model.ragged.Segment`; :meth:`RowKV.update` (the Hugging Face
-``Cache`` hook, called once per layer) writes each row's new keys at its own length, and the
-ragged attention reads the row's buffer up to its length plus T_r. Nothing is kept until
+and the rows' :class:`~d3d.model.ragged.Ragged` (a segment per row that adds several tokens, a
+group per slab for the rows that add one); :meth:`RowKV.update` (the Hugging Face ``Cache``
+hook, called once per layer) writes each row's new keys at its own length, and the ragged
+attention reads the row's slot up to its length plus T_r. Nothing is kept until
 :meth:`commit`: rolling back rejected drafts is not committing them (their positions are
 overwritten by the next write).
 
@@ -24,15 +26,15 @@ Letters: N new tokens of a forward, C a row's capacity, Hkv KV heads, D head dim
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from d3d.engine.slabs import GROW, KvRow, SlabStore, next_capacity, round_up
 from d3d.model.memory import dtype_bytes, free_bytes, head_dim, kv_bytes_per_token, kv_heads
-from d3d.model.ragged import RaggedCache, Segment
+from d3d.model.ragged import Group, Ragged, RaggedCache, Segment
 
-GROW = 64  # capacity is allocated in multiples of this many positions
+__all__ = ["GROW", "KvLimitError", "KvRow", "RowKV", "default_kv_tokens"]
 
 
 class KvLimitError(ValueError):
@@ -44,25 +46,6 @@ class KvLimitError(ValueError):
             f"the KV limit is {limit} tokens (--max-kv-tokens)"
         )
         self.need, self.limit = need, limit
-
-
-@dataclass(eq=False)  # rows are told apart by identity, never by their tensors
-class KvRow:
-    """One row's key and value buffers per layer ``[1, Hkv, C, D]``, its committed length, and the
-    tokens it reserved at admission."""
-
-    reserved: int
-    length: int = 0
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2] if self.k else 0
-
-    def keys(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first n keys and values of ``layer``, in place: [1, Hkv, n, D] each."""
-        return self.k[layer].narrow(2, 0, n), self.v[layer].narrow(2, 0, n)
 
 
 def default_kv_tokens(model, share_cpu: float = 0.25, share_gpu: float = 0.8) -> int:
@@ -94,8 +77,12 @@ class RowKV(RaggedCache):
         self.dtype, self.device = dtype, torch.device(device)
         self.max_tokens = max_tokens
         self.reserved = 0
-        self.rows: list[KvRow] = []  # open rows (what is allocated)
-        self._fwd: list[tuple[KvRow, int, int]] = []  # (row, first query, new tokens)
+        self.rows: list[KvRow] = []  # open rows
+        self.store = SlabStore(
+            (num_layers, kv_heads, head_dim), dtype, self.device, bound=self.bound_tokens
+        )
+        self._fwd: list[tuple[KvRow, int, int]] = []  # rows written one by one: (row, q, T_r)
+        self._writes: list[tuple[Group, torch.Tensor, torch.Tensor]] = []  # (group, slots, at)
 
     @classmethod
     def for_model(cls, model, max_tokens: int) -> RowKV:
@@ -111,8 +98,17 @@ class RowKV(RaggedCache):
         return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
 
     @property
+    def allocated_tokens(self) -> int:
+        return self.store.allocated_tokens
+
+    @property
     def allocated_bytes(self) -> int:
-        return sum(r.capacity for r in self.rows) * self.bytes_per_token
+        return self.store.allocated_tokens * self.bytes_per_token
+
+    def bound_tokens(self) -> int:
+        """What the slabs may allocate: the budget, or the open rows' reservations rounded up
+        to ``GROW`` if that is more (a row's capacity is a multiple of ``GROW``)."""
+        return max(self.max_tokens, sum(round_up(max(r.reserved, r.length)) for r in self.rows))
 
     def check(self, need: int) -> None:
         """Raise :class:`KvLimitError` if ``need`` tokens could never fit."""
@@ -132,49 +128,38 @@ class RowKV(RaggedCache):
         return row
 
     def close(self, row: KvRow) -> None:
-        """Give a row's buffers and reservation back."""
+        """Give a row's slot and reservation back."""
         if row in self.rows:
             self.rows.remove(row)
             self.reserved -= row.reserved
-        row.k, row.v, row.length, row.reserved = [], [], 0, 0
+        self.store.release(row)
+        row.length, row.reserved = 0, 0
+
+    def trim(self) -> None:
+        """Give the slabs' free slots back (the engine calls this when it is idle)."""
+        self.store.trim()
 
     # -- storage -------------------------------------------------------------------------------
     def ensure(self, row: KvRow, length: int) -> None:
-        """Give ``row`` room for ``length`` positions (doubling, never past its reservation
-        rounded up to ``GROW``)."""
-        cap = row.capacity
-        if length <= cap:
-            return
-        limit = -(-max(row.reserved, length) // GROW) * GROW
-        new = min(max(length, 2 * cap), limit)
-        new = -(-new // GROW) * GROW
-        shape = (1, self.kv_heads, new, self.head_dim)
-        k = [
-            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        v = [
-            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        n = row.length
-        for i in range(len(row.k)):
-            k[i][:, :, :n] = row.k[i][:, :, :n]
-            v[i][:, :, :n] = row.v[i][:, :, :n]
-        row.k, row.v = k, v
+        """Give ``row`` room for ``length`` positions (see :func:`~d3d.engine.slabs.next_capacity`)."""
+        if length > row.capacity:
+            self.store.place(row, next_capacity(row.capacity, length, row.reserved))
 
     def load(self, row: KvRow, cache: DynamicCache) -> None:
         """Fill an empty row with a :class:`~transformers.DynamicCache`'s keys and values."""
         n = cache.get_seq_length()
         self.ensure(row, n)
         for i, layer in enumerate(cache.layers):
-            row.k[i][:, :, :n] = layer.keys.to(self.dtype)
-            row.v[i][:, :, :n] = layer.values.to(self.dtype)
+            k, v = row.keys(i, n)
+            k.copy_(layer.keys)
+            v.copy_(layer.values)
         row.length = n
 
     def snapshot(self, row: KvRow) -> DynamicCache:
         """A row's committed keys and values as a :class:`~transformers.DynamicCache` (copies)."""
         out = DynamicCache()
         for i in range(self.num_layers):
-            if row.k:
+            if row.slab is not None:
                 k, v = (t.clone() for t in row.keys(i, row.length))
             else:
                 shape = (1, self.kv_heads, 0, self.head_dim)
@@ -183,23 +168,55 @@ class RowKV(RaggedCache):
         return out
 
     # -- one forward ---------------------------------------------------------------------------
-    def begin(
-        self, rows: Sequence[KvRow], widths: Sequence[int]
-    ) -> tuple[torch.Tensor, list[Segment]]:
+    def begin(self, rows: Sequence[KvRow], widths: Sequence[int]) -> tuple[torch.Tensor, Ragged]:
         """Prepare a ragged forward where row b appends ``widths[b]`` tokens (one after another
-        in a flat sequence of N). Returns (position ids [1, N], the rows' segments for
+        in a flat sequence of N). Returns (position ids [1, N], the rows for
         :func:`~d3d.model.ragged.ragged_attention`); the next ``update`` calls write row b's new
         keys at its positions ``len_b .. len_b + widths[b] - 1``."""
-        segments, positions, fwd = [], [], []
+        for r, w in zip(rows, widths, strict=True):
+            self.ensure(r, r.length + w)  # rows may change slots here: read slots after
+        segments, positions, fwd, ones = [], [], [], {}
         q = 0
         for r, w in zip(rows, widths, strict=True):
-            self.ensure(r, r.length + w)
             positions.append(torch.arange(r.length, r.length + w, device=self.device))
-            segments.append(Segment(q, q + w, r.length, r))
-            fwd.append((r, q, w))
+            if w == 1:
+                ones.setdefault(r.slab, []).append((r.slot, q, r.length))
+            else:
+                segments.append(Segment(q, q + w, r.length, r))
+                fwd.append((r, q, w))
             q += w
-        self._fwd, self.past = fwd, max(r.length for r in rows)
-        return torch.cat(positions)[None, :], segments
+        self._fwd, self._writes, self.past = fwd, [], max(r.length for r in rows)
+        groups = [self._group(slab, items) for slab, items in ones.items()]
+        return torch.cat(positions)[None, :], Ragged(segments, groups)
+
+    def _group(self, slab, items: list[tuple[int, int, int]]) -> Group:
+        """One attention call for the rows of ``slab`` that add one token each: items are
+        (slot, query, length); the call spans their slots and reads keys up to the longest."""
+        items.sort()
+        first, count = items[0][0], items[-1][0] - items[0][0] + 1
+        queries, lengths = [items[0][1]] * count, [0] * count
+        for slot, q, length in items:
+            queries[slot - first], lengths[slot - first] = q, length
+        n = min(slab.capacity, round_up(max(length for _, _, length in items) + 1))
+        dev = self.device
+        sees = torch.arange(n, device=dev)[None, :] <= torch.tensor(lengths, device=dev)[:, None]
+        members = None
+        if len(items) < count:
+            members = torch.tensor([slot - first for slot, _, _ in items], device=dev)
+        group = Group(
+            slab,
+            first,
+            count,
+            n,
+            torch.tensor(queries, device=dev),
+            members,
+            torch.tensor([q for _, q, _ in items], device=dev),
+            sees.view(count, 1, 1, n),
+        )
+        slots = torch.tensor([slot for slot, _, _ in items], device=dev)
+        at = torch.tensor([length for _, _, length in items], device=dev)
+        self._writes.append((group, slots, at))
+        return group
 
     def commit(self, row: KvRow, n: int) -> None:
         """Keep the first n of the positions the last forward wrote for ``row``."""
@@ -207,11 +224,17 @@ class RowKV(RaggedCache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write each row's new keys [1, Hkv, T_r, D] (of [1, Hkv, N, D]) after its length.
-        Returns the new keys as given: the ragged attention reads the rows' buffers."""
-        dst, src = [], []
-        for row, q, w in self._fwd:  # one copy call for every row (a call costs ~5 us on a CPU)
-            n = row.length
-            dst += (row.k[layer_idx].narrow(2, n, w), row.v[layer_idx].narrow(2, n, w))
-            src += (key_states.narrow(2, q, w), value_states.narrow(2, q, w))
-        torch._foreach_copy_(dst, src)
+        Returns the new keys as given: the ragged attention reads the rows' slots."""
+        if self._fwd:
+            dst, src = [], []
+            for row, q, w in self._fwd:  # one copy call for every row (a call costs ~5 us)
+                k, v = row.keys(layer_idx, row.length + w)
+                dst += (k.narrow(2, row.length, w), v.narrow(2, row.length, w))
+                src += (key_states.narrow(2, q, w), value_states.narrow(2, q, w))
+            torch._foreach_copy_(dst, src)
+        for g, slots, at in self._writes:  # one write per slab for its one-token rows
+            k = key_states[0].index_select(1, g.outputs).transpose(0, 1)  # [rows, Hkv, D]
+            v = value_states[0].index_select(1, g.outputs).transpose(0, 1)
+            g.slab.k[layer_idx][slots, :, at] = k
+            g.slab.v[layer_idx][slots, :, at] = v
         return key_states, value_states

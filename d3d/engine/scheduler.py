@@ -349,6 +349,12 @@ class Scheduler:
     def _sweep(self) -> None:
         for row in [r for r in self.rows if r.stats.stop_reason]:
             self._finish(row, row.stats.stop_reason)
+        if (
+            not self.rows
+            and not self.waiting
+            and self.kv.allocated_tokens > self.kv.max_tokens // 2
+        ):
+            self.kv.trim()  # idle: a large KV allocation goes back (a small one stays warm)
 
     def _finish(self, row: Row, reason: str, error: BaseException | None = None) -> None:
         row.stats.stop_reason = reason

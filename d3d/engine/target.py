@@ -12,6 +12,7 @@ Letters: n rows, N new tokens in all, T_r one row's, V vocab.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -67,8 +68,8 @@ class BatchTarget:
         t0 = self.clock.now()
         widths = [len(r) for r in ids]
         x = torch.tensor([[t for r in ids for t in r]], device=self.device)  # [1, N]
-        pos, segments = self.kv.begin(rows, widths)
-        starts = [seg.q0 for seg in segments]
+        pos, ragged = self.kv.begin(rows, widths)
+        starts = [0, *itertools.accumulate(widths)][:-1]
         wanted = [
             list(range(w)) if keep is None or keep[b] is None else list(keep[b])
             for b, w in enumerate(widths)
@@ -80,7 +81,7 @@ class BatchTarget:
             attention_mask=self._mask,
             logits_to_keep=torch.tensor(flat or [0], device=self.device),
             **with_cache(self.model, self.kv),
-            **{KWARG: segments},
+            **{KWARG: ragged},
         )
         logits = out.logits[0, : len(flat)]  # [sum of kept, V]
         self.last_seconds = self.clock.now() - t0

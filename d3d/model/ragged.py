@@ -6,9 +6,12 @@ linear map of the model then reads its weights once for the whole step, and a ch
 costs the running rows its own compute only, never a second pass over the weights, and no row
 is padded to another's width. Only attention must stay within a row: :func:`ragged_attention`
 runs it row by row (query ``[1, Hq, T_r, D]`` against that row's keys ``[1, Hkv, L_r, D]``,
-causal from the row's cached length, its keys read in place from the row's own buffers in
-:class:`~d3d.engine.kv.RowKV`), and the rows reach it as ``segments`` through the model's
-keyword arguments, which Hugging Face passes down to the attention function.
+causal from the row's cached length, its keys read in place from the row's slot in
+:class:`~d3d.engine.kv.RowKV`). Rows that add one token each (plain decoding, the bulk of a
+busy step) and share a slab (:mod:`d3d.engine.slabs`) are attended as a :class:`Group`: one
+call per slab and layer over the rows' slots, each masked to its own length. The rows reach the
+attention as a :class:`Ragged` through the model's keyword arguments, which Hugging Face passes
+down to the attention function.
 
 It is installed as a wrapper around the ``sdpa`` attention entry (the engine runs its target
 with sdpa): a forward without ``d3d_segments`` (any other caller of the same model, in any
@@ -20,7 +23,7 @@ new tokens / keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,20 +49,50 @@ class Segment:
     mask: torch.Tensor | None = None  # bool [T, past + T]; None: causal from ``past``
 
 
+@dataclass(frozen=True)
+class Group:
+    """Rows that each add ONE token (a plain decoding step) and keep their keys in consecutive
+    slots ``first .. first+count-1`` of one store (``slab.keys(layer, first, count, n)`` ->
+    [count, Hkv, n, D] each, in place): their attention is one call per layer, not one per row.
+    ``queries[i]``: slot first+i's query among the N new tokens (a slot whose row is not in the
+    step repeats another's query and its output is dropped); ``members``: the slots that are
+    rows of the step (None: all), ``outputs`` their queries' positions; ``mask`` [count, 1, 1,
+    n]: a slot sees its keys up to its own new one."""
+
+    slab: Any
+    first: int
+    count: int
+    n: int
+    queries: torch.Tensor
+    members: torch.Tensor | None
+    outputs: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """One ragged forward's rows: those attended one by one, and the groups attended at once."""
+
+    segments: Sequence[Segment]
+    groups: Sequence[Group] = ()
+
+
 def ragged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    segments: list[Segment],
+    batch: Ragged | Sequence[Segment],
     scaling: float | None = None,
 ) -> torch.Tensor:
     """query [1, Hq, N, D] (key, value: the step's new keys, already in the rows' buffers)
     -> attention output [1, N, Hq, D]."""
-    out = []
+    if not isinstance(batch, Ragged):
+        batch = Ragged(batch)
     layer = module.layer_idx
     gqa = query.shape[1] != key.shape[1]
-    for s in segments:
+
+    def one(s: Segment) -> torch.Tensor:  # [1, Hq, T, D]
         t = s.q1 - s.q0
         q = query.narrow(2, s.q0, t)
         k, v = s.row.keys(layer, s.past + t)
@@ -67,8 +100,22 @@ def ragged_attention(
         if mask is None and t > 1:  # query i sees keys 0 .. past + i
             keys = torch.arange(s.past + t, device=q.device)
             mask = keys[None, :] <= (s.past + torch.arange(t, device=q.device))[:, None]
-        out.append(F.scaled_dot_product_attention(q, k, v, mask, scale=scaling, enable_gqa=gqa))
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+        return F.scaled_dot_product_attention(q, k, v, mask, scale=scaling, enable_gqa=gqa)
+
+    if not batch.groups:
+        return torch.cat([one(s) for s in batch.segments], dim=2).transpose(1, 2).contiguous()
+    out = torch.empty_like(query)  # the layout of [1, N, Hq, D]: the transpose below is free
+    for s in batch.segments:
+        out.narrow(2, s.q0, s.q1 - s.q0).copy_(one(s))
+    for g in batch.groups:
+        q = query[0].index_select(1, g.queries).transpose(0, 1).unsqueeze(2)  # [count, Hq, 1, D]
+        k, v = g.slab.keys(layer, g.first, g.count, g.n)
+        o = F.scaled_dot_product_attention(q, k, v, g.mask, scale=scaling, enable_gqa=gqa)
+        o = o.squeeze(2)  # [count, Hq, D]
+        if g.members is not None:
+            o = o.index_select(0, g.members)
+        out[0].index_copy_(1, g.outputs, o.transpose(0, 1))
+    return out.transpose(1, 2).contiguous()
 
 
 class RaggedCache(Cache):
