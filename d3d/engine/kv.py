@@ -4,7 +4,7 @@ Every row (a running request) owns a slot of capacity C in the slab of that capa
 (:mod:`d3d.engine.slabs`): C grows with the row (doubling, in multiples of ``GROW`` positions,
 never past what the row reserved), so a long request among short ones costs its own length,
 never the longest row's times the batch; a row's keys are one view, read in place by attention
-(no gather, no copy per step), and the decoding rows of a slab are read in one attention call.
+(no gather, no copy per step), and the rows of a slab that add as many tokens are read in one call.
 The budget is ``max_tokens`` (``--max-kv-tokens``): a request reserves prompt + budget + one
 block when it is admitted (:meth:`RowKV.fits`), so a running row never runs out, a request that
 does not fit now waits, and one that could never fit is refused at once (:class:`KvLimitError`,
@@ -13,8 +13,8 @@ than the budget (or the open rows' reservations rounded up to ``GROW``, if that 
 
 A forward covers any list of rows, each with its own number T_r of new tokens, flattened into
 one sequence of N tokens (:mod:`d3d.model.ragged`). :meth:`RowKV.begin` gives the position ids
-and the rows' :class:`~d3d.model.ragged.Ragged` (a segment per row that adds several tokens, a
-group per slab for the rows that add one); :meth:`RowKV.update` (the Hugging Face ``Cache``
+and the rows' :class:`~d3d.model.ragged.Ragged` (a group per slab and number of new tokens: one
+attention call and one key write per group and layer); :meth:`RowKV.update` (the Hugging Face ``Cache``
 hook, called once per layer) writes each row's new keys at its own length, and the ragged
 attention reads the row's slot up to its length plus T_r. Nothing is kept until
 :meth:`commit`: rolling back rejected drafts is not committing them (their positions are
@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from d3d.engine.slabs import GROW, KvRow, SlabStore, next_capacity, round_up
 from d3d.model.memory import dtype_bytes, free_bytes, head_dim, kv_bytes_per_token, kv_heads
-from d3d.model.ragged import Group, Ragged, RaggedCache, Segment
+from d3d.model.ragged import Group, Ragged, RaggedCache
 
 __all__ = ["GROW", "KvLimitError", "KvRow", "RowKV", "default_kv_tokens"]
 
@@ -81,7 +81,6 @@ class RowKV(RaggedCache):
         self.store = SlabStore(
             (num_layers, kv_heads, head_dim), dtype, self.device, bound=self.bound_tokens
         )
-        self._fwd: list[tuple[KvRow, int, int]] = []  # rows written one by one: (row, q, T_r)
         self._writes: list[tuple[Group, torch.Tensor, torch.Tensor]] = []  # (group, slots, at)
 
     @classmethod
@@ -175,46 +174,47 @@ class RowKV(RaggedCache):
         keys at its positions ``len_b .. len_b + widths[b] - 1``."""
         for r, w in zip(rows, widths, strict=True):
             self.ensure(r, r.length + w)  # rows may change slots here: read slots after
-        segments, positions, fwd, ones = [], [], [], {}
+        positions, alike = [], {}
         q = 0
         for r, w in zip(rows, widths, strict=True):
             positions.append(torch.arange(r.length, r.length + w, device=self.device))
-            if w == 1:
-                ones.setdefault(r.slab, []).append((r.slot, q, r.length))
-            else:
-                segments.append(Segment(q, q + w, r.length, r))
-                fwd.append((r, q, w))
+            alike.setdefault((r.slab, w), []).append((r.slot, q, r.length))
             q += w
-        self._fwd, self._writes, self.past = fwd, [], max(r.length for r in rows)
-        groups = [self._group(slab, items) for slab, items in ones.items()]
-        return torch.cat(positions)[None, :], Ragged(segments, groups)
+        self._writes, self.past = [], max(r.length for r in rows)
+        groups = [self._group(slab, w, items) for (slab, w), items in alike.items()]
+        return torch.cat(positions)[None, :], Ragged([], groups)
 
-    def _group(self, slab, items: list[tuple[int, int, int]]) -> Group:
-        """One attention call for the rows of ``slab`` that add one token each: items are
-        (slot, query, length); the call spans their slots and reads keys up to the longest."""
+    def _group(self, slab, width: int, items: list[tuple[int, int, int]]) -> Group:
+        """One attention call for the rows of ``slab`` that add ``width`` tokens each: items
+        are (slot, first query, length); the call spans their slots and reads keys up to the
+        longest row's end."""
         items.sort()
         first, count = items[0][0], items[-1][0] - items[0][0] + 1
-        queries, lengths = [items[0][1]] * count, [0] * count
+        starts, lengths = [items[0][1]] * count, [0] * count
         for slot, q, length in items:
-            queries[slot - first], lengths[slot - first] = q, length
-        n = min(slab.capacity, round_up(max(length for _, _, length in items) + 1))
+            starts[slot - first], lengths[slot - first] = q, length
+        n = min(slab.capacity, round_up(max(length for _, _, length in items) + width))
         dev = self.device
-        sees = torch.arange(n, device=dev)[None, :] <= torch.tensor(lengths, device=dev)[:, None]
+        t = torch.arange(width, device=dev)
+        ends = torch.tensor(lengths, device=dev)[:, None] + t[None, :]  # [count, T]
+        sees = torch.arange(n, device=dev)[None, None, :] <= ends[:, :, None]  # [count, T, n]
         members = None
         if len(items) < count:
             members = torch.tensor([slot - first for slot, _, _ in items], device=dev)
+        outputs = (torch.tensor([q for _, q, _ in items], device=dev)[:, None] + t).flatten()
         group = Group(
             slab,
             first,
             count,
+            width,
             n,
-            torch.tensor(queries, device=dev),
+            (torch.tensor(starts, device=dev)[:, None] + t).flatten(),
             members,
-            torch.tensor([q for _, q, _ in items], device=dev),
-            sees.view(count, 1, 1, n),
+            outputs,
+            sees.view(count, 1, width, n),
         )
-        slots = torch.tensor([slot for slot, _, _ in items], device=dev)
-        at = torch.tensor([length for _, _, length in items], device=dev)
+        slots = torch.tensor([slot for slot, _, _ in items], device=dev).repeat_interleave(width)
+        at = (torch.tensor([length for _, _, length in items], device=dev)[:, None] + t).flatten()
         self._writes.append((group, slots, at))
         return group
 
@@ -225,15 +225,8 @@ class RowKV(RaggedCache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write each row's new keys [1, Hkv, T_r, D] (of [1, Hkv, N, D]) after its length.
         Returns the new keys as given: the ragged attention reads the rows' slots."""
-        if self._fwd:
-            dst, src = [], []
-            for row, q, w in self._fwd:  # one copy call for every row (a call costs ~5 us)
-                k, v = row.keys(layer_idx, row.length + w)
-                dst += (k.narrow(2, row.length, w), v.narrow(2, row.length, w))
-                src += (key_states.narrow(2, q, w), value_states.narrow(2, q, w))
-            torch._foreach_copy_(dst, src)
-        for g, slots, at in self._writes:  # one write per slab for its one-token rows
-            k = key_states[0].index_select(1, g.outputs).transpose(0, 1)  # [rows, Hkv, D]
+        for g, slots, at in self._writes:  # one write per group of rows
+            k = key_states[0].index_select(1, g.outputs).transpose(0, 1)  # [rows * T, Hkv, D]
             v = value_states[0].index_select(1, g.outputs).transpose(0, 1)
             g.slab.k[layer_idx][slots, :, at] = k
             g.slab.v[layer_idx][slots, :, at] = v

@@ -3,8 +3,9 @@
 A slab holds every row whose capacity is C, per layer in key and value tensors ``[S, Hkv, C, D]``
 (S slots), its live rows packed in slots ``0 .. n-1``: a row that leaves is replaced by the last
 one (its committed keys copied over, the only copy a row ever costs besides growing). Because
-the rows of a slab are one tensor, the decoding rows' attention is one call per slab and layer
-(:class:`~d3d.model.ragged.Group`), never one per row (a call costs ~15-25 us of CPU, a kernel
+the rows of a slab are one tensor, the attention of its rows that add as many tokens (decoding:
+one each; verifying: a block each) is one call per layer (:class:`~d3d.model.ragged.Group`),
+never one per row (a call costs ~15-25 us of CPU, a kernel
 launch on a GPU: at 64 rows and 30 layers, ~2,000 of them a step).
 
 A row grows by moving to the slab of the next capacity (doubling, in multiples of ``GROW``,

@@ -8,8 +8,9 @@ is padded to another's width. Only attention must stay within a row: :func:`ragg
 runs it row by row (query ``[1, Hq, T_r, D]`` against that row's keys ``[1, Hkv, L_r, D]``,
 causal from the row's cached length, its keys read in place from the row's slot in
 :class:`~d3d.engine.kv.RowKV`). Rows that add one token each (plain decoding, the bulk of a
-busy step) and share a slab (:mod:`d3d.engine.slabs`) are attended as a :class:`Group`: one
-call per slab and layer over the rows' slots, each masked to its own length. The rows reach the
+busy step), or the same number of tokens each (draft blocks of one length), and share a slab
+(:mod:`d3d.engine.slabs`) are attended as a :class:`Group`: one call per slab, width and layer
+over the rows' slots, each row masked to its own length. The rows reach the
 attention as a :class:`Ragged` through the model's keyword arguments, which Hugging Face passes
 down to the attention function.
 
@@ -51,17 +52,19 @@ class Segment:
 
 @dataclass(frozen=True)
 class Group:
-    """Rows that each add ONE token (a plain decoding step) and keep their keys in consecutive
-    slots ``first .. first+count-1`` of one store (``slab.keys(layer, first, count, n)`` ->
-    [count, Hkv, n, D] each, in place): their attention is one call per layer, not one per row.
-    ``queries[i]``: slot first+i's query among the N new tokens (a slot whose row is not in the
-    step repeats another's query and its output is dropped); ``members``: the slots that are
-    rows of the step (None: all), ``outputs`` their queries' positions; ``mask`` [count, 1, 1,
-    n]: a slot sees its keys up to its own new one."""
+    """Rows that each add the same number T of tokens (a plain decoding step: 1; a draft block:
+    K + 1) and keep their keys in consecutive slots ``first .. first+count-1`` of one store
+    (``slab.keys(layer, first, count, n)`` -> [count, Hkv, n, D] each, in place): their
+    attention is one call per layer, not one per row. ``queries`` [count * T]: slot first+i's
+    queries among the N new tokens (a slot whose row is not in the step repeats another's and
+    its output is dropped); ``members``: the slots that are rows of the step (None: all),
+    ``outputs`` [members * T] their queries' positions; ``mask`` [count, 1, T, n]: a row's
+    query t sees its keys up to its own length + t."""
 
     slab: Any
     first: int
     count: int
+    width: int
     n: int
     queries: torch.Tensor
     members: torch.Tensor | None
@@ -107,14 +110,14 @@ def ragged_attention(
     out = torch.empty_like(query)  # the layout of [1, N, Hq, D]: the transpose below is free
     for s in batch.segments:
         out.narrow(2, s.q0, s.q1 - s.q0).copy_(one(s))
+    hq, d = query.shape[1], query.shape[3]
     for g in batch.groups:
-        q = query[0].index_select(1, g.queries).transpose(0, 1).unsqueeze(2)  # [count, Hq, 1, D]
+        q = query[0].index_select(1, g.queries).view(hq, g.count, g.width, d).transpose(0, 1)
         k, v = g.slab.keys(layer, g.first, g.count, g.n)
         o = F.scaled_dot_product_attention(q, k, v, g.mask, scale=scaling, enable_gqa=gqa)
-        o = o.squeeze(2)  # [count, Hq, D]
-        if g.members is not None:
+        if g.members is not None:  # o: [count, Hq, T, D]
             o = o.index_select(0, g.members)
-        out[0].index_copy_(1, g.outputs, o.transpose(0, 1))
+        out[0].index_copy_(1, g.outputs, o.transpose(0, 1).reshape(hq, -1, d))
     return out.transpose(1, 2).contiguous()
 
 

@@ -80,7 +80,7 @@ def test_the_slabs_never_allocate_past_the_bound():
 
 
 @pytest.mark.parametrize("gqa", [False, True])
-def test_one_token_rows_attend_as_one_group_exactly_as_each_alone(gqa):
+def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa):
     kv = make_kv(layers=1)
     rows = [kv.open(4 * GROW) for _ in range(4)]
     for i, r in enumerate(rows):
@@ -90,17 +90,19 @@ def test_one_token_rows_attend_as_one_group_exactly_as_each_alone(gqa):
     class Layer(torch.nn.Module):
         layer_idx = 0
 
+    widths = [1, 3, 1, 1, 3]  # one-token rows, and blocks of three (one of them not in a run)
+    rows.append(kv.open(4 * GROW))
+    fill(kv, rows[-1], 9, seed=7)
     with torch.inference_mode():
-        # rows 0, 2 and 3 decode one token; row 1 reads a chunk of three
-        pos, batch = kv.begin(rows, [1, 3, 1, 1])
+        pos, batch = kv.begin(rows, widths)
         n = pos.shape[1]
         new_k = torch.randn(1, 2, n, 4)
         kv.update(new_k, new_k + 1, 0)
-        assert len(batch.groups) == 1 and len(batch.segments) == 1
+        assert sorted(g.width for g in batch.groups) == [1, 3] and not batch.segments
         q = torch.randn(1, hq, n, 4)
         out = ragged_attention(Layer(), q, new_k, new_k + 1, batch)  # [1, N, Hq, D]
-        starts = [0, 1, 4, 5]
-        for r, s, w in zip(rows, starts, [1, 3, 1, 1], strict=True):
+        starts = [0, 1, 4, 5, 6]
+        for r, s, w in zip(rows, starts, widths, strict=True):
             k, v = r.keys(0, r.length + w)
             mask = torch.arange(r.length + w)[None, :] <= (r.length + torch.arange(w))[:, None]
             alone = F.scaled_dot_product_attention(
