@@ -102,7 +102,7 @@ class RowKV(RaggedCache):
 
     @property
     def allocated_bytes(self) -> int:
-        return self.store.allocated_tokens * self.bytes_per_token
+        return self.allocated_tokens * self.bytes_per_token
 
     def bound_tokens(self) -> int:
         """What the slabs may allocate: the budget, or the open rows' reservations rounded up
@@ -189,33 +189,33 @@ class RowKV(RaggedCache):
         are (slot, first query, length); the call spans their slots and reads keys up to the
         longest row's end."""
         items.sort()
-        first, count = items[0][0], items[-1][0] - items[0][0] + 1
-        starts, lengths = [items[0][1]] * count, [0] * count
-        for slot, q, length in items:
-            starts[slot - first], lengths[slot - first] = q, length
-        n = min(slab.capacity, round_up(max(length for _, _, length in items) + width))
         dev = self.device
+        it = torch.tensor(items, device=dev)  # [rows, 3]: slot, first query, length
+        slot, q, length = it.unbind(1)
+        first, count = items[0][0], items[-1][0] - items[0][0] + 1
         t = torch.arange(width, device=dev)
-        ends = torch.tensor(lengths, device=dev)[:, None] + t[None, :]  # [count, T]
-        sees = torch.arange(n, device=dev)[None, None, :] <= ends[:, :, None]  # [count, T, n]
         members = None
+        starts, lengths = q, length  # per slot of the span; a slot not in the step repeats
+        # the first row's queries at length 0 (its output is dropped)
         if len(items) < count:
-            members = torch.tensor([slot - first for slot, _, _ in items], device=dev)
-        outputs = (torch.tensor([q for _, q, _ in items], device=dev)[:, None] + t).flatten()
+            members = slot - first
+            starts = q[0].repeat(count).index_copy(0, members, q)
+            lengths = length.new_zeros(count).index_copy(0, members, length)
+        n = min(slab.capacity, round_up(max(i[2] for i in items) + width))
+        sees = torch.arange(n, device=dev)[None, None, :] <= (lengths[:, None] + t)[:, :, None]
         group = Group(
             slab,
             first,
             count,
             width,
             n,
-            (torch.tensor(starts, device=dev)[:, None] + t).flatten(),
+            (starts[:, None] + t).flatten(),
             members,
-            outputs,
+            (q[:, None] + t).flatten(),
             sees.view(count, 1, width, n),
         )
-        slots = torch.tensor([slot for slot, _, _ in items], device=dev).repeat_interleave(width)
-        at = (torch.tensor([length for _, _, length in items], device=dev)[:, None] + t).flatten()
-        self._writes.append((group, slots, at))
+        at = (length[:, None] + t).flatten()
+        self._writes.append((group, slot.repeat_interleave(width), at))
         return group
 
     def commit(self, row: KvRow, n: int) -> None:

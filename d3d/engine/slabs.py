@@ -117,18 +117,23 @@ class Slab:
         row.slab, row.slot = self, len(self.rows)
         self.rows.append(row)
 
-    @torch.inference_mode()
     def vacate(self, slot: int) -> None:
         """Free ``slot``: the last row moves into it (its committed keys copied)."""
         last = self.rows.pop()
         if slot < len(self.rows):
-            n = last.length
-            if n:
-                dst = [t.narrow(0, slot, 1).narrow(2, 0, n) for t in self.k + self.v]
-                src = [t.narrow(0, last.slot, 1).narrow(2, 0, n) for t in self.k + self.v]
-                torch._foreach_copy_(dst, src)
+            copy_keys(self, last.slot, self, slot, last.length)
             last.slot = slot
             self.rows[slot] = last
+
+
+@torch.inference_mode()
+def copy_keys(src: Slab, src_slot: int, dst: Slab, dst_slot: int, n: int) -> None:
+    """Copy the first n positions of a slot's keys and values, every layer, in one call."""
+    if n:
+        torch._foreach_copy_(
+            [t.narrow(0, dst_slot, 1).narrow(2, 0, n) for t in dst.k + dst.v],
+            [t.narrow(0, src_slot, 1).narrow(2, 0, n) for t in src.k + src.v],
+        )
 
 
 class SlabStore:
@@ -160,11 +165,7 @@ class SlabStore:
         old, old_slot = row.slab, row.slot
         slab.add(row)
         if old is not None:
-            n = row.length
-            if n:
-                dst = [t.narrow(0, row.slot, 1).narrow(2, 0, n) for t in slab.k + slab.v]
-                src = [t.narrow(0, old_slot, 1).narrow(2, 0, n) for t in old.k + old.v]
-                torch._foreach_copy_(dst, src)
+            copy_keys(old, old_slot, slab, row.slot, row.length)
             old.vacate(old_slot)
 
     def room(self, capacity: int, want: int) -> int:

@@ -4,15 +4,15 @@ The engine flattens a step's rows into one sequence ``[1, N]`` (a decoding row's
 drafts, a prompt's next chunk, one after another; N = the sum of the rows' new tokens): every
 linear map of the model then reads its weights once for the whole step, and a chunk of prompt
 costs the running rows its own compute only, never a second pass over the weights, and no row
-is padded to another's width. Only attention must stay within a row: :func:`ragged_attention`
-runs it row by row (query ``[1, Hq, T_r, D]`` against that row's keys ``[1, Hkv, L_r, D]``,
-causal from the row's cached length, its keys read in place from the row's slot in
-:class:`~d3d.engine.kv.RowKV`). Rows that add one token each (plain decoding, the bulk of a
-busy step), or the same number of tokens each (draft blocks of one length), and share a slab
-(:mod:`d3d.engine.slabs`) are attended as a :class:`Group`: one call per slab, width and layer
-over the rows' slots, each row masked to its own length. The rows reach the
-attention as a :class:`Ragged` through the model's keyword arguments, which Hugging Face passes
-down to the attention function.
+is padded to another's width. Only attention must stay within a row. The engine's rows
+(:class:`~d3d.engine.kv.RowKV`) keep their keys in slabs (:mod:`d3d.engine.slabs`), and the
+rows of a slab that add as many tokens (plain decoding: one each; verifying: a block each) are
+attended as a :class:`Group`: one call per slab, width and layer over the rows' slots (query
+``[rows, Hq, T, D]`` against keys ``[rows, Hkv, L, D]`` read in place), each row causal from its
+own length. Rows with a mask of their own (the drafter's blocks, which see all their slots) are
+attended one by one as :class:`Segment` s. Either way they reach the attention as a
+:class:`Ragged` (or a list of segments) through the model's keyword arguments, which Hugging
+Face passes down to the attention function.
 
 It is installed as a wrapper around the ``sdpa`` attention entry (the engine runs its target
 with sdpa): a forward without ``d3d_segments`` (any other caller of the same model, in any
