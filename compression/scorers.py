@@ -180,6 +180,17 @@ class BM25Scorer:
         return spread(self.unit_scores(parts, units), units)
 
 
+def contrast(matches: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-unit scores [C] from per-unit, per-question-token evidence ``matches`` [C, Q]: each
+    token counts in a unit by how much its evidence there rises above its median over the units,
+    ``sum_t w_t max(0, m[u, t] - median_v m[v, t])``. A question token every unit supports alike
+    (a function word, the document's topic) adds nothing; a unit is ranked by what it supports
+    better than a typical unit does. ``weights`` [Q]: one per token (None: 1)."""
+    typical = matches.median(dim=0, keepdim=True).values  # [1, Q]
+    rise = (matches - typical).clamp(min=0)
+    return (rise if weights is None else rise * weights[None, :]).sum(dim=1)
+
+
 FUSIONS = ("sum", "max")
 
 

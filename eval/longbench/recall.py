@@ -225,6 +225,8 @@ def run(args: argparse.Namespace, done: set, path: Path) -> list[dict]:
     new = []
     with path.open("a") as f:
         for item in items:
+            if evidence_text(item) is None:
+                continue  # no evidence to keep (a LongBench row with no answer string in it)
             parts = item_parts(item, tok, window_budget(window, item))
             full = tok.decode(parts.context)
             for scorer in args.scorers.split(","):

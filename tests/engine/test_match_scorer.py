@@ -61,6 +61,24 @@ def test_the_unit_with_the_questions_tokens_ranks_first_and_a_document_is_read_o
     assert DrafterMatchScorer(d, depth=9).depth == 3  # a shallower drafter: all its layers
 
 
+def test_a_token_counts_by_how_much_a_unit_beats_its_typical_match():
+    """One unit matches a rare question token well; another is a little closer than the rest to
+    three tokens every unit is near. The raw cosine would rank the second first (2.6 > 2.4); the
+    median contrast ranks the first (0.7 > 0.3), and a unit matching nothing above the typical
+    scores 0."""
+    scorer = DrafterMatchScorer(drafter("llama"), depth=2)
+    cos = torch.tensor(  # [unit, question token]: the match m_t(u)
+        [[0.9, 0.5, 0.5, 0.5], [0.2, 0.8, 0.8, 0.8], [0.2, 0.7, 0.7, 0.7], [0.2, 0.7, 0.7, 0.7]]
+    )
+    scorer._document = lambda parts: cos  # type: ignore[method-assign]  # one token a unit
+    scorer.states = lambda ids: torch.eye(4)  # type: ignore[method-assign]
+    question = (90, 91, 92, 93)  # ids the document never uses: one idf for all
+    parts = PromptParts((), (5, 6, 7, 8), question, question)
+    s = scorer.unit_scores(parts, [Chunk(i, i + 1) for i in range(4)])
+    idf = torch.tensor(5 / 1).log()
+    torch.testing.assert_close(s, idf * torch.tensor([0.7, 0.3, 0.0, 0.0]))
+
+
 def test_the_registry_builds_it():
     d = drafter("qwen3")
     scorer = make_scorer(CompressionConfig(scorer="drafter-match"), None, d)

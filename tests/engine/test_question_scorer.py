@@ -1,8 +1,9 @@
 """The ``drafter`` scorer (question likelihood per unit) on tiny random Llama / Qwen3 drafters.
 
-Its batched, cached two-pass reading must give, for every unit, exactly the mean log-likelihood
-of the question that one plain forward over ``[unit, lead, question]`` gives; a second question
-about the same document must not read the units again.
+Its batched, cached two-pass reading must give, for every unit, exactly the log-likelihood of
+each question token that one plain forward over ``[unit, lead, question]`` gives, and the unit's
+score their contrast over the units; a second question about the same document must not read the
+units again.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from compression.compressor import CompressionConfig, Compressor, make_scorer
 from compression.doc_cache import DocumentCache
 from compression.prompt import PromptParts
 from compression.question_scorer import DrafterQuestionScorer
+from compression.scorers import contrast
 from compression.units import Chunk
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
@@ -46,13 +48,22 @@ def parts_and_units(n: int = 90, question: tuple[int, ...] = (40, 41, 42, 43, 44
     return PromptParts((1, 2), ctx, (70, 71, *question), question), units
 
 
-def reference(d: D3DDrafter, context, unit: Chunk, lead, question) -> float:
+def reference(d: D3DDrafter, context, unit: Chunk, lead, question) -> list[float]:
     ids = torch.tensor([[*context[unit.start : unit.end], *lead, *question]])
     with torch.no_grad():
         logits = d.lm(input_ids=ids).logits[0].float()
     start = len(unit) + len(lead) - 1
     logp = torch.log_softmax(logits[start : start + len(question)], -1)
-    return float(logp.gather(1, torch.tensor(question)[:, None]).mean())
+    return logp.gather(1, torch.tensor(question)[:, None])[:, 0].tolist()
+
+
+def test_the_score_is_the_rise_above_the_typical_unit_token_by_token():
+    lp = torch.tensor([[-1.0, -5.0], [-2.0, -1.0], [-3.0, -6.0]])  # [unit, question token]
+    # medians -2 and -5: unit 0 rises 1 on the first token, unit 1 4 on the second
+    torch.testing.assert_close(contrast(lp), torch.tensor([1.0, 4.0, 0.0]))
+    torch.testing.assert_close(
+        contrast(lp, torch.tensor([2.0, 0.5])), torch.tensor([2.0, 2.0, 0.0])
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -61,9 +72,12 @@ def test_batched_cached_scores_equal_one_plain_forward_per_unit(kind, group):
     d = drafter(kind)
     scorer = DrafterQuestionScorer(d, IdTokenizer(), group=group, workers=1)
     parts, units = parts_and_units()
-    got = scorer.unit_scores(parts, units)
-    want = [reference(d, parts.context, u, scorer.lead, parts.question) for u in units]
-    assert torch.allclose(got, torch.tensor(want), atol=1e-4), (got, want)
+    got = scorer.token_logprobs(parts, units)
+    want = torch.tensor(
+        [reference(d, parts.context, u, scorer.lead, parts.question) for u in units]
+    )
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+    assert torch.allclose(scorer.unit_scores(parts, units), contrast(want), atol=1e-4)
 
 
 def test_second_question_reuses_the_reading_and_leaves_it_intact():
@@ -80,7 +94,7 @@ def test_second_question_reuses_the_reading_and_leaves_it_intact():
     again = scorer.unit_scores(parts, units)
     assert reads == []  # both answered from the cached reading
     want = [reference(d, parts.context, u, scorer.lead, other.question) for u in units]
-    assert torch.allclose(second, torch.tensor(want), atol=1e-4)
+    assert torch.allclose(second, contrast(torch.tensor(want)), atol=1e-4)
     assert torch.allclose(again, first, atol=1e-5)  # the question's KV was cut off again
     scorer._last = None  # not the memo: the cache itself
     assert torch.allclose(scorer.unit_scores(parts, units), first, atol=1e-5)
@@ -154,5 +168,5 @@ def test_an_int8_reader_scores_close_to_the_float_one_and_is_a_reading_of_its_ow
     int8 = DrafterQuestionScorer(d, IdTokenizer(), quantize=True, workers=1)
     assert int8.model is not d and exact.model is d  # a copy: the drafter itself is untouched
     assert int8.reading_key(parts, units) != exact.reading_key(parts, units)
-    got, want = int8.unit_scores(parts, units), exact.unit_scores(parts, units)
+    got, want = int8.token_logprobs(parts, units), exact.token_logprobs(parts, units)
     assert torch.allclose(got, want, atol=0.05), (got, want)
