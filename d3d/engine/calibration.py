@@ -64,7 +64,8 @@ def shipped_acceptance(drafter) -> list[float] | None:
     return [float(x) for x in shares] if shares else None
 
 
-def _median_seconds(fn, clock: Clock, repeats: int = REPEATS) -> float:
+def median_seconds(fn, clock: Clock, repeats: int = REPEATS) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` on ``clock`` (device-synchronised)."""
     times = []
     for _ in range(repeats):
         t0 = clock.now()
@@ -104,10 +105,10 @@ def calibrate(
         target.forward([row], [ctx[-n:]])
 
     forward(1)  # the first decode-shaped forward builds its kernels
-    step = _median_seconds(lambda: forward(1), clock)
+    step = median_seconds(lambda: forward(1), clock)
     switch(True)
     forward(block_size)
-    verify = _median_seconds(lambda: forward(block_size), clock)
+    verify = median_seconds(lambda: forward(block_size), clock)
     host.step_s.add(step)
     host.per_token_s.add(max(verify - step, 0.0) / (block_size - 1))
     if host.read_s.value is None:
@@ -123,7 +124,7 @@ def calibrate(
             drafts.draft(grown)
 
         block()
-        out["draft_s"] = _median_seconds(block, clock)
+        out["draft_s"] = median_seconds(block, clock)
         host.wait_s.value, host.wait_from_cold = out["draft_s"], True
     switch(False)
     return out
