@@ -23,7 +23,13 @@ from pathlib import Path
 from compression.compressor import DEFAULT_SCORER
 
 FULL = "full"
-LEADS = (DEFAULT_SCORER, "hybrid", "drafter", "drafter-attention")  # head-to-head: the first run
+LEADS = (
+    DEFAULT_SCORER,
+    "drafter-match",
+    "drafter",
+    "hybrid",
+    "drafter-attention",
+)  # head-to-head: the first run
 REFERENCE = (
     "Published reference (D3D paper, Qwen3-8B target on GPUs, LongBench single-document QA): "
     "keep 0.1 scored 47.05 against 47.91 for the full prompt, 3.32x faster end to end "

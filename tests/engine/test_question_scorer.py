@@ -130,11 +130,11 @@ def test_auto_reads_with_the_question_scorer_only_where_the_drafter_is_cheap_nex
     small = D3DDrafter.from_target(target, 1)  # 1 of 24 layers: 1.5 / 24 of the prefill
     deep = D3DDrafter.from_target(target, 24)  # the target's own depth
     assert reading_share(small, target) == pytest.approx(1.5 / 24)
-    assert resolve_scorer("auto", small, target) == "hybrid"
+    assert resolve_scorer("auto", small, target) == "drafter"
     assert resolve_scorer("auto", deep, target) == "drafter-match"
     assert resolve_scorer("auto", None, target) == "bm25"
     assert resolve_scorer("drafter", deep, target) == "drafter"
-    assert make_scorer(CompressionConfig("auto"), IdTokenizer(), small, target).name == "hybrid"
+    assert make_scorer(CompressionConfig("auto"), IdTokenizer(), small, target).name == "drafter"
 
 
 @pytest.mark.slow
