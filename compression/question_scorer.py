@@ -197,9 +197,9 @@ class DrafterQuestionScorer:
             list(zip(reading.windows, groups, strict=True)),
             self.workers,
         )
-        scores = torch.cat(out)
-        self._last = (key, question, scores)
-        return scores.clone()
+        logprobs = torch.cat(out)
+        self._last = (key, question, logprobs)
+        return logprobs.clone()
 
     def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
         units = units if units is not None else fixed_chunks(len(parts.context), 32)

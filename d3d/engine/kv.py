@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from d3d.engine.slabs import GROW, KvRow, SlabStore, next_capacity, round_up
-from d3d.model.memory import dtype_bytes, free_bytes, head_dim, kv_bytes_per_token, kv_heads
+from d3d.model.memory import free_bytes, head_dim, kv_bytes_per_token, kv_heads, kv_token_bytes
 from d3d.model.ragged import Group, Ragged, RaggedCache
 
 __all__ = ["GROW", "KvLimitError", "KvRow", "RowKV", "default_kv_tokens"]
@@ -94,7 +94,7 @@ class RowKV(RaggedCache):
     # -- the budget ----------------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        return kv_token_bytes(self.num_layers, self.kv_heads, self.head_dim, self.dtype)
 
     @property
     def allocated_tokens(self) -> int:
@@ -182,7 +182,7 @@ class RowKV(RaggedCache):
             q += w
         self._writes, self.past = [], max(r.length for r in rows)
         groups = [self._group(slab, w, items) for (slab, w), items in alike.items()]
-        return torch.cat(positions)[None, :], Ragged([], groups)
+        return torch.cat(positions)[None, :], Ragged(groups)
 
     def _group(self, slab, width: int, items: list[tuple[int, int, int]]) -> Group:
         """One attention call for the rows of ``slab`` that add ``width`` tokens each: items

@@ -64,11 +64,7 @@ class KvRow:
 
     def keys(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n keys and values of ``layer``, in place: [1, Hkv, n, D] each."""
-        s = self.slab
-        return (
-            s.k[layer].narrow(0, self.slot, 1).narrow(2, 0, n),
-            s.v[layer].narrow(0, self.slot, 1).narrow(2, 0, n),
-        )
+        return self.slab.keys(layer, self.slot, 1, n)
 
 
 class Slab:

@@ -40,10 +40,15 @@ def kv_heads(config) -> int:
     return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
+def kv_token_bytes(layers: int, heads: int, dim: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token adds to ``layers`` layers of ``heads`` KV heads."""
+    return 2 * int(layers) * heads * dim * dtype_bytes(dtype)
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype, layers: int | None = None) -> int:
     """Bytes of keys and values one token adds to a cache of ``layers`` (default: all) layers."""
     n = config.num_hidden_layers if layers is None else layers
-    return 2 * int(n) * kv_heads(config) * head_dim(config) * dtype_bytes(dtype)
+    return kv_token_bytes(n, kv_heads(config), head_dim(config), dtype)
 
 
 def activation_bytes_per_row(config, dtype: torch.dtype) -> int:

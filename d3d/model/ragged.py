@@ -9,10 +9,10 @@ is padded to another's width. Only attention must stay within a row. The engine'
 rows of a slab that add as many tokens (plain decoding: one each; verifying: a block each) are
 attended as a :class:`Group`: one call per slab, width and layer over the rows' slots (query
 ``[rows, Hq, T, D]`` against keys ``[rows, Hkv, L, D]`` read in place), each row causal from its
-own length. Rows with a mask of their own (the drafter's blocks, which see all their slots) are
-attended one by one as :class:`Segment` s. Either way they reach the attention as a
-:class:`Ragged` (or a list of segments) through the model's keyword arguments, which Hugging
-Face passes down to the attention function.
+own length; they reach the attention as a :class:`Ragged`. Rows with a mask of their own (the
+drafter's blocks, which see all their slots) are attended one by one, as a list of
+:class:`Segment` s. Either reaches the attention through the model's keyword arguments, which
+Hugging Face passes down to the attention function.
 
 It is installed as a wrapper around the ``sdpa`` attention entry (the engine runs its target
 with sdpa): a forward without ``d3d_segments`` (any other caller of the same model, in any
@@ -74,10 +74,9 @@ class Group:
 
 @dataclass(frozen=True)
 class Ragged:
-    """One ragged forward's rows: those attended one by one, and the groups attended at once."""
+    """One ragged forward's rows, in groups attended at once."""
 
-    segments: Sequence[Segment]
-    groups: Sequence[Group] = ()
+    groups: Sequence[Group]
 
 
 def ragged_attention(
@@ -89,9 +88,8 @@ def ragged_attention(
     scaling: float | None = None,
 ) -> torch.Tensor:
     """query [1, Hq, N, D] (key, value: the step's new keys, already in the rows' buffers)
-    -> attention output [1, N, Hq, D]."""
-    if not isinstance(batch, Ragged):
-        batch = Ragged(batch)
+    -> attention output [1, N, Hq, D]. ``batch``: the engine's rows in groups, or rows one by
+    one as segments."""
     layer = module.layer_idx
     gqa = query.shape[1] != key.shape[1]
 
@@ -105,11 +103,9 @@ def ragged_attention(
             mask = keys[None, :] <= (s.past + torch.arange(t, device=q.device))[:, None]
         return F.scaled_dot_product_attention(q, k, v, mask, scale=scaling, enable_gqa=gqa)
 
-    if not batch.groups:
-        return torch.cat([one(s) for s in batch.segments], dim=2).transpose(1, 2).contiguous()
+    if not isinstance(batch, Ragged):
+        return torch.cat([one(s) for s in batch], dim=2).transpose(1, 2).contiguous()
     out = torch.empty_like(query)  # the layout of [1, N, Hq, D]: the transpose below is free
-    for s in batch.segments:
-        out.narrow(2, s.q0, s.q1 - s.q0).copy_(one(s))
     hq, d = query.shape[1], query.shape[3]
     for g in batch.groups:
         q = query[0].index_select(1, g.queries).view(hq, g.count, g.width, d).transpose(0, 1)

@@ -98,7 +98,7 @@ def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa):
         n = pos.shape[1]
         new_k = torch.randn(1, 2, n, 4)
         kv.update(new_k, new_k + 1, 0)
-        assert sorted(g.width for g in batch.groups) == [1, 3] and not batch.segments
+        assert sorted(g.width for g in batch.groups) == [1, 3]
         q = torch.randn(1, hq, n, 4)
         out = ragged_attention(Layer(), q, new_k, new_k + 1, batch)  # [1, N, Hq, D]
         starts = [0, 1, 4, 5, 6]
