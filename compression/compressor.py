@@ -139,7 +139,9 @@ class Compressed:
     scorer: str
     keep_ratio: float
     seconds: float
-    head: int = 0  # kept context tokens from the document's start that every question keeps
+    # Kept context tokens from the document's start that every question keeps (all of them
+    # when nothing is cut: a second question about the document reads only its own suffix).
+    head: int = 0
 
     @property
     def shared_prefix(self) -> int:
@@ -292,8 +294,8 @@ class Compressor:
         n = len(parts.context)
         n_keep = budget(n, ratio)
         head = 0
-        if n_keep >= n:
-            kept = list(range(n))
+        if n_keep >= n:  # nothing cut: the whole document is the same for every question
+            kept, head = list(range(n)), n
         elif self.scorer.token_level:
             kept = select(scored.scores, fixed_chunks(n, 1), n_keep)
         else:
@@ -323,9 +325,9 @@ class Compressor:
         """Score and select. ``on_head``: called with the head's context tokens once the units
         are known, before scoring (the caller can start the target on the head meanwhile)."""
         ratio = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
-        if budget(len(parts.context), ratio) >= len(parts.context):
+        if budget(len(parts.context), ratio) >= len(parts.context):  # nothing cut, see select
             n = len(parts.context)
-            return Compressed(parts, tuple(range(n)), len(parts), self.scorer.name, ratio, 0.0)
+            return Compressed(parts, tuple(range(n)), len(parts), self.scorer.name, ratio, 0.0, n)
         t0 = time.perf_counter()
         units = self.units(parts)
         if on_head is not None and (head := self.head_tokens(units, ratio)):

@@ -3,7 +3,7 @@
 For each document size (essays with six needle facts, the needle family of the tests), in one
 process with models loaded once, :class:`compression.qa.DocumentQA` (what ``d3d qa`` runs):
 
-- ``full``: keep 1.0 (no scoring), ``--repeats`` times, questions rotating;
+- ``full``: keep 1.0 (no scoring), ``--repeats`` times with empty caches, questions rotating;
 - ``first``: keep 0.1 with empty caches, question k (the reader reads the document while the
   target encodes the instruction and the document's head);
 - ``second``: keep 0.1, question k+1 right after (the reader's pass and the target's KV of the
@@ -77,7 +77,8 @@ def run_size(qa: DocumentQA, size_k: int, dcfg: DecodeConfig, repeats: int, pair
     text = document(lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), size_k)
     full, first, second = [], [], []
     for r in range(max(repeats, pairs)):
-        if r < repeats:
+        if r < repeats:  # cold: the document's KV would otherwise be reused from the last run
+            qa.forget()
             full.append(
                 qa.answer(text, NEEDLES[r % len(NEEDLES)][1], dcfg, keep_ratio=1.0).to_dict()
             )

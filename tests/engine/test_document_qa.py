@@ -85,3 +85,22 @@ def test_the_document_head_is_encoded_once_while_the_reader_scores_and_reused():
     cold = qa.answer_all(DOC, questions, dcfg, 0.2)
     assert [r.speculative["cached_prompt_tokens"] for r in cold] == [0, head]
     assert [r.answer for r in cold] == [first.answer, second.answer]
+
+
+def test_full_prompt_questions_share_the_whole_document_and_answer_as_alone():
+    """Keep 1.0 cuts nothing, so the instruction and the whole document open every question's
+    prompt: the second question reads only its own suffix from the prefix cache, and both
+    answers equal those of a cold engine (greedy, token for token)."""
+    qa = tiny_qa()
+    dcfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    questions = ["where is the key?", "what barks?"]
+    first, second = qa.answer_all(DOC, questions, dcfg, 1.0)
+    shared = first.compression.shared_prefix
+    assert first.compression.head == first.compression.context_tokens
+    assert shared == first.compression.total_tokens - len(first.compression.parts.suffix)
+    assert first.speculative["cached_prompt_tokens"] == 0
+    assert second.speculative["cached_prompt_tokens"] == shared
+    qa.forget()
+    cold = qa.answer(DOC, questions[1], dcfg, 1.0)
+    assert cold.speculative["cached_prompt_tokens"] == 0
+    assert cold.answer == second.answer
