@@ -40,6 +40,7 @@ from compression.scorers import (
     HybridScorer,
     RandomScorer,
     Scorer,
+    has_read,
 )
 from compression.selection import budget, head_units, pool, select
 from compression.units import GRANULARITIES, Chunk, fixed_chunks, max_unit, segment
@@ -273,6 +274,10 @@ class Compressor:
             return 0
         m = head_units(units, round(self.cfg.head * n_keep))
         return units[m - 1].end if m else 0
+
+    def has_read(self, parts: PromptParts) -> bool:
+        """Whether the scorer's pass over this document is kept (see :func:`scorers.has_read`)."""
+        return has_read(self.scorer, parts, self.units(parts))
 
     def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> ContextScores:
         """Segment (unless ``units`` are given) and score (the timed, question-dependent work)."""

@@ -286,6 +286,10 @@ class DrafterAttentionScorer:
         tag = f"{self.identity}|{self.depth}|{c.window}|{c.quantize}|{c.lookahead}"
         return content_key(tag, parts.prefix, parts.context)
 
+    def has_read(self, parts: PromptParts, units: Sequence[Chunk] = ()) -> bool:
+        """Whether the document cache holds this document's reading."""
+        return self.cache is not None and self.reading_key(parts) in self.cache
+
     @property
     def workers(self) -> int:
         """Windows read at once (:func:`compression.reading.reader_workers`)."""

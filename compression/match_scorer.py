@@ -101,7 +101,7 @@ class DrafterMatchScorer:
     def reading_key(self, parts: PromptParts) -> str:
         return content_key(f"match:{self.depth}:{self.window}", parts.context)
 
-    def has_read(self, parts: PromptParts) -> bool:
+    def has_read(self, parts: PromptParts, units: Sequence[Chunk] = ()) -> bool:
         """Whether this document's states are kept (its next question reads none)."""
         return self.reading_key(parts) in self._memo
 

@@ -218,15 +218,7 @@ class DocumentQA:
 
     def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:
         """Whether the reader's pass over this document is in the cache."""
-        name = self.resolve(scorer)
-        if name == "drafter-match" and name in self._compressors:
-            return self._compressors[name].scorer.has_read(parts)  # type: ignore[attr-defined]
-        if name in QUESTION_SCORERS and self._question is not None:
-            units = self.compressor(name).units(parts)
-            return self._question.reading_key(parts, units) in self.cache
-        if name not in ATTENTION_SCORERS or self._attention is None:
-            return False
-        return self._attention.reading_key(parts) in self.cache
+        return self.compressor(scorer).has_read(parts)
 
     def compress(
         self, parts: PromptParts, keep_ratio: float | None = None, scorer: str | None = None

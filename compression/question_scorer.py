@@ -93,6 +93,10 @@ class DrafterQuestionScorer:
         bounds = [b for u in units for b in (u.start, u.end)]
         return content_key(f"{self.identity}|{self.group}", parts.context, bounds)
 
+    def has_read(self, parts: PromptParts, units: Sequence[Chunk]) -> bool:
+        """Whether the document cache holds this document's reading in these units."""
+        return self.cache is not None and self.reading_key(parts, units) in self.cache
+
     @torch.inference_mode()
     def read_group(self, context: Sequence[int], units: Sequence[Chunk]) -> DynamicCache:
         """Rows ``[pad.., unit]`` through the drafter into a batched cache [G, heads, L, d]."""

@@ -95,6 +95,13 @@ class Scorer(Protocol):
     def score(self, parts: PromptParts, units: Sequence[Chunk]) -> torch.Tensor: ...
 
 
+def has_read(scorer: Scorer, parts: PromptParts, units: Sequence[Chunk]) -> bool:
+    """Whether a scorer that reads documents (one with ``has_read``) has read this one already,
+    so its next question costs no document pass; False for scorers that keep nothing."""
+    check = getattr(scorer, "has_read", None)
+    return bool(check is not None and check(parts, units))
+
+
 class HeadTailScorer:
     """Keeps the head and the tail of the context, as LongBench's middle truncation does."""
 
@@ -259,6 +266,10 @@ class HybridScorer:
         self.weights = weights
         self.k = k
         self.pooling = pooling
+
+    def has_read(self, parts: PromptParts, units: Sequence[Chunk]) -> bool:
+        """Whether its drafter scorer's reading of the document is kept (BM25 reads nothing)."""
+        return has_read(self.attention, parts, units)
 
     def score(self, parts: PromptParts, units: Sequence[Chunk] | None = None) -> torch.Tensor:
         units = units if units is not None else fixed_chunks(len(parts.context), 32)

@@ -24,8 +24,10 @@ def test_second_question_reuses_the_reading_and_compressors_are_built_once():
     dcfg = DecodeConfig(mode="ar", max_new_tokens=4)
     first, second = qa.answer_all(DOC, ["where is the key?", "what barks?"], dcfg, 0.2)
     assert not first.cached and second.cached  # the default's states are kept by the scorer
-    qa.answer_all(DOC, ["where is the key?", "what barks?"], dcfg, 0.2, "attention-bm25")
-    assert qa.cache.stats()["hits"] >= 1 and len(qa.cache) == 1  # the attention reader's pass
+    for scorer in ("attention-bm25", "drafter", "hybrid"):  # each reader says what it kept
+        rs = qa.answer_all(DOC, ["where is the key?", "what barks?"], dcfg, 0.2, scorer)
+        assert [r.cached for r in rs] == [scorer == "hybrid", True], scorer  # hybrid: drafter's
+    assert qa.cache.stats()["hits"] >= 1 and len(qa.cache) == 2  # the two readers' passes
     assert qa.compressor() is qa.compressor(DEFAULT_SCORER)
     assert qa.compressor("drafter-attention").scorer is qa.attention()  # one shared reader
     for r in (first, second):
