@@ -38,6 +38,9 @@ def test_second_question_takes_the_head_from_the_prefix_cache():
         full = [ask_full(srv, q) for q in ("w10 w17 w24", "w31 w38")]
         shared = full[0]["compression"]["head_tokens"]
         assert shared == full[0]["compression"]["context_tokens"]
-        assert [f["speculative"]["cached_prompt_tokens"] for f in full] == [0, cached - head + shared]
+        assert [f["speculative"]["cached_prompt_tokens"] for f in full] == [
+            0,
+            cached - head + shared,
+        ]
     finally:
         srv.stop()
