@@ -127,7 +127,11 @@ class PrefixCache(BoundedLru[DynamicCache]):
 
     def lookup(self, ids: Sequence[int]) -> DynamicCache | None:
         """A fresh cache holding the stored KV of ``ids`` (shared tensors), or None."""
-        stored = self.get(self.key(ids))
+        return self.lookup_key(self.key(ids))
+
+    def lookup_key(self, key: str) -> DynamicCache | None:
+        """:meth:`lookup` by the prefix's :meth:`key`."""
+        stored = self.get(key)
         return None if stored is None else copy_cache(stored)
 
     def store(self, ids: Sequence[int], cache: DynamicCache) -> None:

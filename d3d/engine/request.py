@@ -105,6 +105,7 @@ class Row:
     prefill_s: float = 0.0  # target time spent on this row's prompt
     first_token_at: float = 0.0
     proposal: Proposal | None = None
+    prefix_key: str = ""  # the prefix cache's key of the shared prefix ("" until asked)
 
     @property
     def decoding(self) -> bool:

@@ -18,9 +18,9 @@ Prompts are read in chunks inside the same forward as the decoding rows (one fla
 :mod:`d3d.model.ragged`: the weights are read once a step), shortest prompt first, so a short
 request is not queued behind a long document; while rows decode, the chunks may make the step
 at most ``1 + share`` times as long as the rows alone (:class:`PrefillBudget`): a long prompt
-costs running rows a bounded share of each step, never a whole prefill. A prompt prefix that requests share (document QA: the
-instruction and the document's head) is read on its own up to its end and kept in the prefix
-cache, or copied from it, so a row computes the same whether or not it hit the cache.
+costs running rows a bounded share of each step, never a whole prefill. A prompt prefix that
+requests share (document QA: the instruction and the document's head) is read once, on its own
+up to its end, and kept in the prefix cache; other rows copy it (:mod:`d3d.engine.prefixes`).
 
 Rows keep the invariants of every mode (the KV holds the committed tokens but the last; the
 last token of every round comes from the target), so each row's greedy output is plain greedy
@@ -45,6 +45,7 @@ from d3d.decoding.stats import DecodeStats, Round
 from d3d.decoding.verify import Acceptance, accept
 from d3d.engine.kv import KvLimitError
 from d3d.engine.kv_store import PrefixCache
+from d3d.engine.prefixes import SharedPrefixes
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.target import BatchTarget
 
@@ -115,6 +116,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.prefix_cache = prefix_cache
         self.prefill_budget = prefill or PrefillBudget()
+        self.prefixes = SharedPrefixes(prefix_cache, self.target, self.prefill_budget.max_chunk)
         self.clock = clock
         self.window = window or getattr(model.config, "max_position_embeddings", None)
         self.after_step = after_step or (lambda rows: None)
@@ -195,7 +197,7 @@ class Scheduler:
                 continue
             row = Row(req, self.kv.open(self.need(req)), proposer, stats, gen, list(req.prompt_ids))
             self.rows.append(row)
-            self._reuse_prefix(row)
+            self.prefixes.reuse(row)
 
     # -- the step's forward --------------------------------------------------------------------
     def _forward(self) -> None:
@@ -221,9 +223,7 @@ class Scheduler:
             self.kv.commit(row.kv, n)
             row.prefilled += n
             row.prefill_s += seconds * n / tokens
-            if row.prefilled == self._shared(row):
-                snap = self.kv.snapshot(row.kv)
-                self.prefix_cache.store(row.req.prompt_ids[: row.prefilled], snap)
+            self.prefixes.keep(row)
             if d:
                 self._first_token(row, lg[-1])
 
@@ -294,28 +294,19 @@ class Scheduler:
             )
 
     # -- reading prompts -----------------------------------------------------------------------
-    def _reuse_prefix(self, row: Row) -> None:
-        """Copy a cached shared prefix into a new row's KV."""
-        shared = self._shared(row)
-        if shared and self.prefix_cache is not None:
-            cached = self.prefix_cache.lookup(row.req.prompt_ids[:shared])
-            if cached is not None:
-                self.kv.load(row.kv, cached)
-                row.prefilled = row.stats.cached_prompt_tokens = shared
-
-    def _shared(self, row: Row) -> int:
-        n = row.req.shared_prefix
-        return n if self.prefix_cache is not None and 0 < n < len(row.req.prompt_ids) else 0
-
     def _chunks(self, rows: Sequence[Row], decode_tokens: int) -> list[tuple[Row, int]]:
         """The next chunk of each prompt being read, shortest first, up to the step's budget.
-        A chunk stops at the end of a shared prefix (kept in the prefix cache there)."""
+        A chunk stops at the end of a shared prefix (kept in the prefix cache there); a prefix
+        that one row is reading is read by that row alone (:meth:`SharedPrefixes.waits`)."""
         budget = self.prefill_budget.tokens(decode_tokens)
         out: list[tuple[Row, int]] = []
+        reading = self.prefixes.reading(rows)
         for row in sorted(rows, key=lambda r: r.prompt_left):
             if budget <= 0:
                 break
-            shared = self._shared(row)
+            if self.prefixes.waits(row, reading):
+                continue
+            shared = self.prefixes.length(row)
             end = shared if row.prefilled < shared else len(row.req.prompt_ids)
             n = min(end - row.prefilled, budget)
             out.append((row, n))
@@ -368,24 +359,9 @@ class Scheduler:
 
     # -- outside the batch ---------------------------------------------------------------------
     def encode_prefix(self, ids: Sequence[int]) -> None:
-        """Read a prompt prefix into the prefix cache (unless it is there), the same way a
-        request reads its shared prefix, so rows that take it compute the same."""
-        cache = self.prefix_cache
-        if cache is None or not ids or cache.key(ids) in cache:
-            return
-        need = len(ids)
-        self.kv.check(need)
-        if not self.kv.fits(need):
-            return  # the batch holds the KV now; the first request reads it itself
-        row = self.kv.open(need)
-        try:
-            for i in range(0, need, self.prefill_budget.max_chunk):
-                run = list(ids[i : i + self.prefill_budget.max_chunk])
-                self.target.forward([row], [run], [[]])
-                self.kv.commit(row, len(run))
-            cache.store(list(ids), self.kv.snapshot(row))
-        finally:
-            self.kv.close(row)
+        """Read a prompt prefix that requests will share into the prefix cache, outside the
+        batch (:meth:`SharedPrefixes.encode`)."""
+        self.prefixes.encode(ids)
 
 
 def clip(tokens: list[int], eos_ids: set[int], room: int) -> tuple[list[int], str]:

@@ -244,6 +244,38 @@ def test_a_shared_prefix_is_encoded_once_and_reused_with_the_same_numbers(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_questions_arriving_together_read_their_shared_prefix_once(kind):
+    """Three questions about one document arrive at once and the prefix takes several steps to
+    read: one row reads it, the others wait for its KV and take it from the prefix cache, and
+    every row decodes as the target alone. When the reading row is cancelled before it is done,
+    a waiting row reads the prefix itself."""
+    from d3d.engine.scheduler import PrefillBudget
+
+    model = tiny_model(kind, seed=2)
+    head = [(7 * i) % 90 + 3 for i in range(40)]
+    prompts = [[*head, 5, 6], [*head, 9], [*head, 11, 12, 13]]
+    for cancel in (False, True):
+        engine = make(model, max_batch=4, prefill=PrefillBudget(min_chunk=8, max_chunk=8))
+        out = [Collector() for _ in prompts]
+        reqs = [out[i].request(p, 8, "ar") for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.shared_prefix = len(head)
+            engine.add(r)
+        engine.step()
+        if cancel:
+            reqs[1].cancel()  # the shortest prompt: the row that reads the prefix
+        while not engine.idle:
+            engine.step()
+        live = [i for i in range(3) if not (cancel and i == 1)]
+        for i in live:
+            assert out[i].error is None
+            assert out[i].tokens == greedy_continuation(model, prompts[i], 8), (cancel, i)
+        cached = [out[i].stats.cached_prompt_tokens for i in live]
+        assert sorted(cached) == ([0, len(head)] if cancel else [0, len(head), len(head)])
+        assert engine.prefix_cache.stats()["hits"] == len(live) - 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_auto_rows_verify_copies_of_their_own_text_and_stay_exact(kind):
     """A prompt that repeats itself: auto rows copy from their own tokens (no drafter, or beside a
     drafting row), ar rows never do, and every row still decodes as the target alone."""
