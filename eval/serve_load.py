@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -131,23 +133,28 @@ async def run_level(url: str, clients: int, per_client: int, max_tokens: int) ->
     }
 
 
-def start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "d3d",
-        "serve",
-        "--port",
-        str(port),
-        "--max-batch",
-        str(args.max_batch),
-        "--max-queue",
-        str(args.max_queue),
-    ]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    log = open(Path(args.out) / "server.log", "w")  # noqa: SIM115 (lives as long as the server)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+@dataclass(frozen=True)
+class Served:
+    """A ``d3d serve`` started by :func:`served`: its URL, its ``/ready`` reply, its arguments."""
+
+    url: str
+    ready: dict
+    args: list[str]
+
+
+@contextlib.contextmanager
+def served(flags: list[str], port: int, log: Path) -> Iterator[Served]:
+    """``d3d serve --port PORT FLAGS`` started (its output in ``log``), ready, and stopped when
+    the block ends."""
+    args = ["d3d", "serve", "--port", str(port), *flags]
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            yield Served(url, wait_ready(url), args)
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
 
 def wait_ready(url: str, timeout: float = 600) -> dict:
@@ -222,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    proc = None
-    url = args.url or f"http://127.0.0.1:{args.port}"
-    if args.url is None:
-        proc = start_server(args.port, args)
-    try:
-        server = wait_ready(url)
+    flags = ["--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
+    flags += ["--threads", str(args.threads)] if args.threads else []
+    with contextlib.ExitStack() as stack:
+        if args.url is None:
+            srv = stack.enter_context(served(flags, args.port, out / "server.log"))
+            url, server = srv.url, srv.ready
+        else:
+            url, server = args.url, wait_ready(args.url)
         levels_n = [int(x) for x in args.levels.split(",")]
         levels, refs = [], {}
         for c in levels_n:
@@ -263,10 +272,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         write_report(out, levels, meta)
         print((out / "load.md").read_text())
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
     return 0
 
 

@@ -26,14 +26,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from eval.serve_load import wait_ready
+from eval.serve_load import served
 
 ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "paul_graham_essays"
 CHAT_PROMPTS = [
@@ -177,18 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "d3d", "serve", "--port", str(args.port)]
-    cmd += ["--threads", str(args.threads), "--drafter", args.drafter]
-    log = (out / "pipeline_server.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        server = wait_ready(url)
+    flags = ["--threads", str(args.threads), "--drafter", args.drafter]
+    with served(flags, args.port, out / "pipeline_server.log") as srv:
+        url = srv.url
         doc: dict = {
             "command": "python -m eval.serve_pipeline "
             + " ".join(argv if argv is not None else sys.argv[1:]),
-            "server": [*cmd[2:]],
-            "warmup": server.get("warmup"),
+            "server": srv.args,
+            "warmup": srv.ready.get("warmup"),
         }
         skip = set(args.skip.split(","))
         if "modes" not in skip:
@@ -198,9 +193,6 @@ def main(argv: list[str] | None = None) -> int:
             doc["behind_documents"] = scenario_documents(url, args.doc_repeats, args.short_tokens)
             print(json.dumps(doc["behind_documents"], indent=1), flush=True)
         (out / "pipeline.json").write_text(json.dumps(doc, indent=2))
-    finally:
-        proc.terminate()
-        proc.wait(30)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from eval.longbench.messy import FACTS, messy_document
-from eval.serve_load import wait_ready
+from eval.serve_load import served
 
 
 def ask(url: str, document: str, question: str, keep: float, tokens: int) -> dict:
@@ -90,28 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "d3d", "serve", "--port", str(args.port)]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    log = (out / "server.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        wait_ready(url)
+    flags = ["--threads", str(args.threads)] if args.threads else []
+    with served(flags, args.port, out / "server.log") as srv:
         questions = [f.question for f in FACTS[: args.questions]]
-        rows = run(url, questions, args.keep, args.tokens, args.repeats, args.words)
+        rows = run(srv.url, questions, args.keep, args.tokens, args.repeats, args.words)
         doc = {
             "command": "python -m eval.shared_document "
             + " ".join(argv if argv is not None else sys.argv[1:]),
-            "server": cmd[2:],
+            "server": srv.args,
             "keep": args.keep,
             "questions": questions,
             "runs": rows,
         }
         (out / "shared_document.json").write_text(json.dumps(doc, indent=2))
-    finally:
-        proc.terminate()
-        proc.wait(30)
     return 0
 
 
