@@ -78,10 +78,14 @@ class BoundedLru(Generic[T]):
             self.hits += 1
             return item
 
+    def keeps(self, size: int) -> bool:
+        """Whether an item of ``size`` bytes would be kept (one larger than the store is not)."""
+        return size <= self.max_bytes
+
     def put_sized(self, key: str, item: T, size: int) -> None:
         with self._lock:
-            if size > self.max_bytes:
-                return  # larger than the whole store: not kept
+            if not self.keeps(size):
+                return
             self._items.pop(key, None)
             self._items[key] = item
             self._bytes[key] = size

@@ -60,7 +60,7 @@ class SharedPrefixes:
         reads the same prefix. A row that does not wait either took the prefix from the cache
         (its reader is done) or reads it itself (added to ``reading``, so later rows wait)."""
         n, cache = self.length(row), self.cache
-        if row.prefilled or not n or cache is None or n * self.kv.bytes_per_token > cache.max_bytes:
+        if row.prefilled or not n or cache is None or not cache.keeps(n * self.kv.bytes_per_token):
             return False
         key = self.key(row)
         if key in reading:
