@@ -2,7 +2,8 @@
 
 :class:`DrafterHost` starts the worker once, on first use or at load, where
 :mod:`d3d.engine.placement` says (its own process pinned to its own cores on a CPU host, a thread
-beside a GPU drafter), restarts it if it dies, and stops it with the engine. Where a drafter
+beside a GPU drafter), under a :class:`~d3d.worker.supervisor.Supervisor` that replaces it when
+it dies or hangs, and stops it with the engine. Where a drafter
 process holds cores of its own, the target's process keeps to the others while rows speculate
 and gets every core back for plain steps (a drafter that is not drafting must not cost the target
 a core); threads that read documents beside decoding are kept off the target's cores for good.
@@ -23,6 +24,7 @@ from d3d.config import ModelConfig
 from d3d.engine.loading import DrafterFactory, placement_for
 from d3d.engine.placement import Placement
 from d3d.worker import ProcessWorker, ThreadWorker, WorkerClient, pin_process
+from d3d.worker.supervisor import Supervisor, SupervisorConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +67,19 @@ def launch_process(
 class DrafterHost:
     """The drafter worker of one engine (see the module docstring)."""
 
-    def __init__(self, model_cfg: ModelConfig | None, target_device: str, drafter):
+    def __init__(
+        self,
+        model_cfg: ModelConfig | None,
+        target_device: str,
+        drafter,
+        supervision: SupervisorConfig | None = None,
+    ):
         self.model_cfg = model_cfg
         self.target_device = target_device
         self.drafter = drafter
-        self.restarts = 0
+        self.supervision = supervision
         self.manage_cpu = True  # False: the caller sets this process's CPU budget itself
-        self._worker: WorkerClient | None = None
+        self._sup: Supervisor | None = None
         self._lock = threading.Lock()
         self._cpu: CpuBudget | None = None  # set while a drafter process holds cores
         self._cpu_state: bool | None = None  # the budget in force (True: the drafter's share)
@@ -81,38 +89,60 @@ class DrafterHost:
 
     def adopt(self, started: tuple[WorkerClient, CpuBudget | None]) -> None:
         """Take a worker started before the engine existed (it loads while the target does)."""
-        self._worker, self._cpu = started
-
-    def worker(self, wait: bool = True, timeout: float = 600.0) -> WorkerClient | None:
-        """The drafter worker, started on first use (and again if it died); None without a
-        drafter, or if it could not start."""
+        first, self._cpu = started
         with self._lock:
-            w = self._worker
-            if w is not None and not w.alive:
-                log.warning("the drafter worker died; starting a new one")
-                self.restarts += 1
-                self._close()
-                w = None
-            if w is None:
-                w = self._start()
-                self._worker = w
-        if w is not None and wait and not w.wait_ready(timeout):
+            self._sup = Supervisor(self._starter(first), self.supervision)
+
+    @property
+    def restarts(self) -> int:
+        return self._sup.restarts if self._sup is not None else 0
+
+    def status(self) -> dict | None:
+        """The worker's state for ``/ready`` (None: this engine has no drafter worker)."""
+        return self._sup.status() if self._sup is not None else None
+
+    def worker(self, wait: bool = True, timeout: float = 600.0) -> Supervisor | None:
+        """The drafter worker's supervisor, started on first use; None without a drafter.
+        ``wait``: wait until the first worker is ready (a replacement is never waited for: the
+        requests meanwhile take plain steps)."""
+        if self.drafter is None:
+            return None
+        with self._lock:
+            if self._sup is None:
+                self._sup = Supervisor(self._starter(None), self.supervision)
+            sup = self._sup
+        if wait and sup.state == "starting" and not sup.wait_ready(timeout):
             log.error("the drafter worker did not start; speculation falls back")
             return None
-        return w
+        return sup
+
+    def _starter(self, first: WorkerClient | None):
+        """The supervisor's way to make a worker: ``first`` once (if given), then new ones."""
+        pending = [first] if first is not None else []
+
+        def start() -> WorkerClient | None:
+            if pending:
+                return pending.pop()
+            return self._start()
+
+        return start
 
     def _start(self) -> WorkerClient | None:
         cfg = self.model_cfg or ModelConfig(target_device=self.target_device)
         place = placement_for(cfg)
         if place.kind == "process" and self.model_cfg is not None:
-            worker, self._cpu = launch_process(cfg, place)  # type: ignore[misc]
-            return worker
+            if self._cpu is None:
+                started = launch_process(cfg, place)
+                assert started is not None
+                worker, self._cpu = started
+                return worker
+            return ProcessWorker(DrafterFactory(cfg), list(place.drafter_cores))
         return ThreadWorker(self.drafter) if self.drafter is not None else None
 
     def _close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        if self._sup is not None:
+            self._sup.close()
+            self._sup = None
         if self._cpu is not None:
             cores, threads = self._cpu.full
             pin_process(sorted(cores), threads)

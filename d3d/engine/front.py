@@ -40,8 +40,9 @@ from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
 from d3d.model.packing import pack_linears
-from d3d.worker import AsyncProposer, WorkerClient
+from d3d.worker import AsyncProposer
 from d3d.worker.proposer import BatchedLink
+from d3d.worker.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +152,18 @@ class Engine:
         return figures
 
     # ----- the drafter worker (d3d.engine.drafter_host) -------------------------------------
-    def worker(self, wait: bool = True, timeout: float = 600.0) -> WorkerClient | None:
-        """The drafter worker, started on first use (and again if it died)."""
+    def worker(self, wait: bool = True, timeout: float = 600.0) -> Supervisor | None:
+        """The drafter worker's supervisor, started on first use (it replaces a worker that dies
+        or hangs: :mod:`d3d.worker.supervisor`)."""
         return self.drafters.worker(wait, timeout)
 
     @property
     def worker_restarts(self) -> int:
         return self.drafters.restarts
+
+    def worker_status(self) -> dict | None:
+        """The drafter worker's state, pid and restarts (None: no drafter worker)."""
+        return self.drafters.status()
 
     @property
     def manage_cpu(self) -> bool:

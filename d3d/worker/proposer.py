@@ -6,7 +6,12 @@ block from it (:meth:`propose`). The worker has usually drafted that block alrea
 during the verification; on a miss it drafts it on receipt of the commit. Either way a block for
 round t+1 can only exist after round t's commit was sent, i.e. after its verification ended.
 
-Failure is local: if the worker dies, answers with a failure, or does not answer within its
+With ``branches=False`` the worker prepares nothing ahead: every block is drafted when its
+commit arrives, on the critical path (``sync`` for an engine whose own process must not hold
+the drafter, such as vLLM's model runner).
+
+Failure is local: if the worker dies, answers with a failure or with a block that cannot be one
+(ids outside the vocabulary, more drafts than a block holds), or does not answer within its
 timeout, the proposer logs it, counts it (``Proposal.failed``), and proposes nothing from then
 on, so the request finishes on the target alone with nothing lost.
 """
@@ -101,13 +106,21 @@ class AsyncProposer:
         min_timeout: float = 5.0,
         timeout_factor: float = 10.0,
         clock=time.perf_counter,
+        branches: bool = True,
+        max_drafts: int | None = None,
     ):
+        """``branches``: prepare blocks ahead (False: ``sync`` on the worker); ``max_drafts``:
+        the most drafts a block may hold (None: not checked)."""
         self.link = link
         self.vocab_size = vocab_size
         self.min_timeout = min_timeout
         self.timeout_factor = timeout_factor
         self.clock = clock
+        self.branches = branches
+        self.max_drafts = max_drafts
         self.sid: int | None = None
+        if not branches:
+            self.name = "sync"
 
     def start(
         self,
@@ -132,9 +145,14 @@ class AsyncProposer:
         if not self.link.alive:
             self._fail("the drafter worker is not running")
             return
-        self.sid = self.link.new_session()
+        try:
+            self.sid = self.link.new_session()
+        except (ConnectionError, OSError) as exc:
+            self._fail(f"cannot reach the drafter worker: {exc}")
+            return
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(62)
-        self._send(Open(self.sid, prompt, sampling, seed, prepare=first_len != 0))
+        prepare = first_len != 0 and self.branches
+        self._send(Open(self.sid, prompt, sampling, seed, prepare=prepare, branches=self.branches))
 
     @property
     def speculating(self) -> bool:
@@ -172,6 +190,8 @@ class AsyncProposer:
             if isinstance(msg, Block) and msg.pos == self.expect:
                 break  # anything else is a stale reply of an earlier round
         self.expect = None
+        if not self._valid(msg.tokens):
+            return self._fail("the drafter worker sent a block that is not one")
         d = torch.tensor(msg.tokens, dtype=torch.long)
         q = None
         if not self.sampling.greedy and msg.q_ids is not None:
@@ -192,6 +212,14 @@ class AsyncProposer:
                     self.link.send(Close(self.sid))
             self.link.end_session(self.sid)
             self.sid = None
+
+    def _valid(self, tokens: object) -> bool:
+        """Whether ``tokens`` can be a block: a list of ids in the vocabulary, not too many."""
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            return False
+        if self.max_drafts is not None and len(tokens) > self.max_drafts:
+            return False
+        return all(0 <= t < self.vocab_size for t in tokens)
 
     # ----- failure ----------------------------------------------------------------------
     def _send(self, msg: object) -> None:

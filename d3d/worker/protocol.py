@@ -9,7 +9,9 @@ Target -> worker: :class:`Open` (a request's drafter prompt), :class:`Commit` (t
 round committed, and how much of a block the next round wants) or :class:`Commits` (one step's
 commits of every row in a batch), :class:`Close`.
 Worker -> target: :class:`Ready` once the drafter is loaded, :class:`Block` (the draft for the
-committed length ``pos``), :class:`Failed`.
+committed length ``pos``), :class:`Failed`, and from a worker in its own process a :class:`Beat`
+every fraction of a second from a thread of its own (a worker that stops beating is hung: see
+:mod:`d3d.worker.supervisor`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Open:
     sampling: SamplingConfig
     seed: int
     prepare: bool = True
+    branches: bool = True  # False: no branches, every block drafted on its commit (``sync``)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ class Close:
 @dataclass(frozen=True)
 class Stop:
     """Ends the worker loop."""
+
+
+@dataclass(frozen=True)
+class Beat:
+    """The worker process is alive (sent by its heartbeat thread, busy or not)."""
 
 
 @dataclass(frozen=True)

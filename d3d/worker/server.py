@@ -56,6 +56,7 @@ class _Session:
     cached_ids: list[int] = field(default_factory=list)
     branches: dict[tuple[int, int, int], Prepared] = field(default_factory=dict)
     commits: int = 0
+    prepares: bool = True  # False: no branches (``sync``): each block is drafted on its commit
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,9 @@ class DraftServer:
         try:
             if isinstance(msg, Open):
                 sess = _Session(msg.sampling, msg.seed, list(msg.prompt_ids))
+                sess.prepares = msg.branches
                 self.sessions[msg.sid] = sess
-                if msg.prepare:
+                if msg.prepare and msg.branches:
                     self._prepare(sess, None, None)
             elif isinstance(msg, Commit):
                 yield from self._commits([msg])
@@ -157,6 +159,7 @@ class DraftServer:
         for (msg, sess, _, offered), block in zip(misses, drafted, strict=True):
             yield _block(msg, sess, block, offered, hit=False, work_s=self.clock() - t0)
             ready.append((msg.sid, sess, block, msg.next_len))
+        ready = [r for r in ready if r[1].prepares]
         for sid, sess, block, length in ready:
             try:
                 self._prepare(sess, block, length, rows=len(ready))

@@ -8,14 +8,18 @@ an engine. Two transports share that client:
 - :class:`ThreadWorker` — the server in a thread of this process, fed by queues: tests, a
   drafter on its own GPU (``cuda:1``; torch releases the GIL while kernels run), single-core
   hosts.
-- :class:`ProcessWorker` — the server in a spawned OS process pinned to its own CPU cores with
-  its own torch thread count (``cpu:1``), the target's process pinned to the others. The child
-  builds its drafter from a picklable factory (model specs, never tensors), and only messages
-  cross the pipe.
+- :class:`ProcessWorker` — the server in an OS process of its own (``python -m
+  d3d.worker.child``, started with :mod:`subprocess` over a socket pair, so that a host that may
+  not fork multiprocessing children, such as vLLM's model-runner daemon, can start it too),
+  pinned to its own CPU cores with its own torch thread count (``cpu:1``) or on its own GPU. The
+  child builds its drafter from a picklable factory (model specs, never tensors), only messages
+  cross the socket, and a thread of the child sends a :class:`~d3d.worker.protocol.Beat` every
+  ``beat_s`` whether the drafter is busy or not.
 
-A worker that dies (its pipe closes) or stops answering is the requests' problem only in that
-they lose speculation: :class:`~d3d.worker.proposer.AsyncProposer` times out, counts the
-failure and finishes on the target alone.
+A worker that dies (its socket closes), stops beating, answers with something that is not a
+message, or stops answering is the requests' problem only in that they lose speculation:
+:class:`~d3d.worker.proposer.AsyncProposer` times out, counts the failure and finishes on the
+target alone; :class:`~d3d.worker.supervisor.Supervisor` replaces the worker.
 """
 
 from __future__ import annotations
@@ -25,13 +29,18 @@ import itertools
 import logging
 import os
 import queue
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
-from d3d.worker.protocol import Failed, Ready, Stop
+from d3d.worker.protocol import Beat, Block, Failed, Ready, Stop
 from d3d.worker.server import DraftServer, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -78,6 +87,8 @@ class WorkerClient:
         self.info: dict = {}
         self.dead = False
         self.failures = 0
+        self.last_beat = time.monotonic()  # a worker that beats (a process) refreshes this
+        self.why = ""  # why the worker is gone, once it is
         self._reader = threading.Thread(target=self._read, name="d3d-worker-reader", daemon=True)
         self._reader.start()
 
@@ -113,26 +124,54 @@ class WorkerClient:
     def wait_ready(self, timeout: float) -> bool:
         return self.ready.wait(timeout) and not self.dead
 
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (None: a thread of this process)."""
+        return None
+
+    @property
+    def beats(self) -> bool:
+        """Whether the worker sends heartbeats (so that silence means it hangs)."""
+        return False
+
+    def kill(self) -> None:
+        """End the worker now, whatever it is doing (a thread cannot be killed: no-op)."""
+
     # ----- the reader thread ------------------------------------------------------------
     def _read(self) -> None:
         while True:
             try:
                 msg = self._recv()
             except (EOFError, OSError, ConnectionError):
+                self.why = self.why or "its channel closed"
                 break
-            if isinstance(msg, Ready):
+            except Exception as exc:  # bytes that are no message: the worker cannot be trusted
+                self.why = f"it sent something unreadable ({type(exc).__name__})"
+                log.error("drafter worker: %s", self.why)
+                break
+            if isinstance(msg, Beat):
+                self.last_beat = time.monotonic()
+            elif isinstance(msg, Ready):
                 self.info = dict(msg.info)
+                self.last_beat = time.monotonic()
                 self.ready.set()
             elif isinstance(msg, Stop):
+                self.why = self.why or "it stopped"
                 break
             elif isinstance(msg, Failed) and msg.sid is None:
+                self.why = f"it failed: {msg.message}"
                 log.error("drafter worker failed: %s", msg.message)
                 break
-            else:
-                box = self._boxes.get(getattr(msg, "sid", -1))
+            elif isinstance(msg, (Block, Failed)):
+                box = self._boxes.get(msg.sid)
                 if box is not None:  # replies to ended sessions are dropped
                     box.put(msg)
+            else:
+                self.why = f"it sent a {type(msg).__name__}, which is no reply"
+                log.error("drafter worker: %s", self.why)
+                break
         self.dead = True
+        self.kill()
         self.ready.set()
         for box in list(self._boxes.values()):
             box.put(None)
@@ -180,33 +219,63 @@ class ThreadWorker(WorkerClient):
             self._thread.join(timeout=10)
 
 
-def _process_main(conn, factory, cores, threads, cfg) -> None:
-    """Entry point of the drafter process: pin, build the drafter, serve until Stop."""
+@dataclass(frozen=True)
+class ChildStart:
+    """The first message to a worker process: how to build and run its drafter."""
+
+    factory: Callable[[], object]
+    cores: list[int] | None
+    threads: int | None
+    cfg: ServerConfig | None
+    beat_s: float
+    nice: int
+
+
+def child_main(conn: Connection, start: ChildStart) -> None:
+    """The worker process: pin, build the drafter, beat, serve until Stop (see
+    :mod:`d3d.worker.child`)."""
+    lock = threading.Lock()
+
+    def put(msg: object) -> None:
+        with lock:
+            conn.send(msg)
+
     try:
-        pin_process(cores, threads)
+        pin_process(start.cores, start.threads)
         # The drafter only ever takes what the target leaves: while speculation is off the target
         # may use every core, and a catch-up encode here must not slow its steps.
-        os.nice(10)
-        drafter = factory()
-        server = DraftServer(drafter, cfg)
+        if start.nice:
+            os.nice(start.nice)
+        drafter = start.factory()
+        server = DraftServer(drafter, start.cfg)
         info = {
             "kind": "process",
             "pid": os.getpid(),
-            "cores": cores,
+            "cores": start.cores,
             "threads": torch.get_num_threads(),
-            "layers": len(getattr(drafter.meta, "layers", ())),
+            "device": str(getattr(drafter, "device", "cpu")),
+            "layers": len(getattr(getattr(drafter, "meta", None), "layers", ()) or ()),
         }
-        conn.send(Ready(info))
-        serve(server, conn.recv, conn.send)
-    except (EOFError, KeyboardInterrupt):
+        put(Ready(info))
+        threading.Thread(target=_beat, args=(put, start.beat_s), daemon=True).start()
+        serve(server, conn.recv, put)
+    except (EOFError, OSError, KeyboardInterrupt):
         pass
     except Exception as exc:  # reported once; the parent goes on without speculation
         with contextlib.suppress(OSError):
-            conn.send(Failed(None, f"{type(exc).__name__}: {exc}"))
+            put(Failed(None, f"{type(exc).__name__}: {exc}"))
+
+
+def _beat(put: Callable[[object], None], every: float) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        while True:
+            time.sleep(every)
+            put(Beat())
 
 
 class ProcessWorker(WorkerClient):
-    """The drafter server in its own process, pinned to ``cores`` (see the module docstring)."""
+    """The drafter server in its own process (see the module docstring). ``factory`` builds the
+    drafter there; ``cores``: the CPU cores it is pinned to (None: wherever the OS puts it)."""
 
     def __init__(
         self,
@@ -214,34 +283,54 @@ class ProcessWorker(WorkerClient):
         cores: list[int] | None,
         threads: int | None = None,
         cfg: ServerConfig | None = None,
+        beat_s: float = 0.5,
+        nice: int = 10,
     ):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")  # a fork would copy the parent's torch thread pools
-        parent, child = ctx.Pipe()
-        self._conn = parent
-        self.process = ctx.Process(
-            target=_process_main,
-            args=(child, factory, cores, threads, cfg),
-            name="d3d-drafter",
-            daemon=True,
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports what this process imports (a test's checkout, vLLM's workers).
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, env.get("PYTHONPATH", "")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "d3d.worker.child", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
         )
-        self.process.start()
-        child.close()
-        super().__init__(parent.send, parent.recv)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._conn.send(ChildStart(factory, cores, threads, cfg, beat_s, nice))
+        super().__init__(self._conn.send, self._conn.recv)
 
     @property
     def alive(self) -> bool:
-        return not self.dead and self.process.is_alive()
+        return not self.dead and self.process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def beats(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.process.kill()
 
     def close(self, timeout: float = 10.0) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             with contextlib.suppress(ConnectionError, OSError):
                 self.send(Stop())
-            self.process.join(timeout)
-            if self.process.is_alive():
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait(5)
         self.dead = True
+        with contextlib.suppress(OSError):
+            self._conn.close()
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.01) -> bool:

@@ -151,12 +151,16 @@ def test_drafter_in_its_own_process(tmp_path):
             assert gen.token_ids == ref, mode
         engine.generate_ids(prompt, DecodeConfig(mode="async", max_new_tokens=4))
         assert cores[-1] not in available_cores(), "speculative rounds leave the drafter its core"
-        # the process dies: this request finishes on the target alone, the next one restarts it
-        worker.process.kill()
-        worker.process.join(5)
+        # the process dies: this request finishes on the target alone; the supervisor replaces it
+        first = worker.worker.pid
+        worker.worker.process.kill()
+        worker.worker.process.wait(5)
         gen = engine.generate_ids(prompt, DecodeConfig(mode="async", max_new_tokens=24))
         assert gen.token_ids == ref
-        assert engine.worker_restarts == 1
+        assert worker.wait_ready(60) and engine.worker_restarts == 1
+        assert engine.worker_status()["pid"] not in (None, first)
+        stats = engine.generate_ids(prompt, DecodeConfig(mode="async", max_new_tokens=24))
+        assert stats.token_ids == ref and stats.stats.branch_misses + stats.stats.branch_hits > 0
     finally:
         engine.close()
     assert torch.get_num_threads() == before, "closing the engine gives the cores back"
