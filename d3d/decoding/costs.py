@@ -59,6 +59,18 @@ class LinearCost:
         return unit, unit
 
 
+def batch_prices(cost: LinearCost, rows: int) -> tuple[float | None, float | None]:
+    """What a decoding row's plain token costs among ``rows`` rows sharing one forward (the
+    step ``a + b rows`` over the rows), and what one more token of that forward costs (``b``),
+    from the forwards' fit ``cost``; (None, None) for a row alone (it is priced with the host's
+    plain step) or before any forward was timed. Every engine that batches rows prices them so."""
+    fit = cost.fit() if rows > 1 else None
+    if fit is None:
+        return None, None
+    a, b = fit
+    return (a + b * rows) / rows, b
+
+
 LENGTHS = (1, 2, 3, 4, 6, 8, 11, 15)  # draft lengths auto chooses among
 
 

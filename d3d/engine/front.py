@@ -24,8 +24,8 @@ import torch
 from d3d.config import DEFAULT_BLOCK_SIZE, CacheBudget, DecodeConfig, ModelConfig
 from d3d.decoding.clock import Clock
 from d3d.decoding.lookup import CopyDrafts
-from d3d.decoding.policy import AutoProposer, HostCosts
-from d3d.decoding.proposers import ArProposer, Proposer, SyncProposer
+from d3d.decoding.policy import HostCosts
+from d3d.decoding.proposers import ArProposer, Proposer
 from d3d.decoding.stats import DecodeStats
 from d3d.engine.calibration import seed
 from d3d.engine.cost_memory import costs_path, load_costs, save_costs
@@ -40,7 +40,7 @@ from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
 from d3d.model.packing import pack_linears
-from d3d.worker import AsyncProposer
+from d3d.worker.modes import ModeKit
 from d3d.worker.proposer import BatchedLink
 from d3d.worker.supervisor import Supervisor
 
@@ -194,32 +194,19 @@ class Engine:
     def proposer(self, mode: str, budget: int | None = None, copy: bool = True) -> Proposer:
         """The proposer of ``mode`` for one request (``budget``: its max new tokens; ``copy``:
         auto may verify copies of the request's own text, :mod:`d3d.decoding.lookup`). ``auto``
-        without a drafter takes plain steps and copy rounds."""
-        if mode == "ar":
-            return ArProposer()
-        if self.drafter is None and mode != "auto":
-            raise DrafterError(f"mode {mode!r} needs a drafter, and none is loaded")
-        spec: Proposer | None = None
-        if self.drafter is not None:
-            link = self._link() if mode != "sync" else None
-            spec = (
-                AsyncProposer(link, self.target.vocab_size, clock=self.clock.now)
-                if link is not None
-                else SyncProposer(self.drafter, self.clock)
-            )
-        if mode in ("sync", "async"):
-            assert spec is not None
-            return spec
-        block = self.block_size
-        return AutoProposer(
-            spec,
+        without a drafter takes plain steps and copy rounds (:mod:`d3d.worker.modes`)."""
+        kit = ModeKit(
             self.host,
-            max_len=block - 1,
-            budget=budget,
+            self.target.vocab_size,
+            max_len=self.block_size - 1,
+            link=self._link() if self.drafter is not None and mode != "sync" else None,
+            drafter=self.drafter,
             read_cost=self._read_cost(),
-            copies=self._copies() if copy else None,
+            copies=self._copies,
             busy=self.drafters.busy,
+            clock=self.clock,
         )
+        return kit.proposer(mode, budget, copy)
 
     @property
     def block_size(self) -> int:

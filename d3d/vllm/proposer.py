@@ -1,0 +1,244 @@
+"""D3D as a vLLM speculative proposer: ``speculative_config={"method": "custom_class",
+"model": "d3d.vllm.D3DProposer", "num_speculative_tokens": 15}``.
+
+vLLM (pinned: :data:`d3d.vllm.VLLM_VERSION`) builds this class in its model-runner process with
+the ``VllmConfig``, calls ``load_model(target)`` once, and after every step's sampling calls
+``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, ...)``, expecting at most K
+draft ids per row of its input batch. This adapter holds no rule of its own:
+
+- the drafter runs in its own process (:class:`~d3d.worker.workers.ProcessWorker`: started with
+  ``subprocess``, since vLLM's runner is a daemon process that may not start multiprocessing
+  children) on its own device (``D3D_DRAFTER_DEVICE``: ``cuda:1`` on a GPU host; a CPU core of
+  its own here, ``cpu:1``, by default the last core), under a
+  :class:`~d3d.worker.supervisor.Supervisor` that replaces it when it dies or hangs; only token
+  ids cross;
+- each request's proposer is the project's own (:mod:`d3d.worker.modes`): ``ar``, ``sync`` (the
+  worker drafts on receipt of the commit), ``async`` (after answering a step, the worker
+  prepares the next step's branches while vLLM verifies: hits answered at once, misses drafted
+  then), ``auto`` (speculation and copy rounds only where the measured costs say they pay; no
+  draft otherwise). The mode is the request's ``extra_args["d3d_mode"]`` (vLLM's OpenAI server:
+  ``"vllm_xargs": {"d3d_mode": "async"}``), else ``D3D_VLLM_MODE`` (default ``auto``);
+- :class:`~d3d.vllm.rows.RequestRows` keys sessions by request id (row i is the runner's
+  ``input_batch.req_ids[i]``) and resynchronises them from the token ids, since vLLM says
+  nothing of requests joining, finishing, being preempted or resuming.
+
+A failure of the drafter (dead, hung, garbage) costs a request its speculation, never its
+answer: the proposer returns no draft for it, and any error inside this adapter returns no draft
+for the step. With tensor parallelism only rank 0 drafts (vLLM takes the drafts from it).
+``D3D_VLLM_STATS`` (a socket path) serves per-request and total figures to the server
+(:mod:`d3d.vllm.stats`). The target's spec for the drafter is ``D3D_TARGET`` (default: the
+model vLLM serves); the drafter is ``D3D_DRAFTER`` (default: ``default``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from d3d.config import ConfigError, ModelConfig
+from d3d.decoding.lookup import CopyDrafts
+from d3d.decoding.policy import HostCosts
+from d3d.decoding.stats import DecodeStats
+from d3d.engine.loading import DrafterFactory
+from d3d.engine.placement import parse_cores
+from d3d.vllm.rows import RequestRows, RowView
+from d3d.vllm.stats import StatsServer
+from d3d.worker.modes import MODES, ModeKit
+from d3d.worker.proposer import BatchedLink
+from d3d.worker.supervisor import Supervisor, SupervisorConfig
+from d3d.worker.workers import ProcessWorker, available_cores
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """The adapter's settings, from ``D3D_*`` variables (see the module docstring)."""
+
+    mode: str = "auto"
+    stats_path: str | None = None
+    copy: bool = True
+    hang_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(
+                f"D3D_VLLM_MODE: must be one of {', '.join(MODES)}, got {self.mode!r}"
+            )
+        if self.hang_s <= 0:
+            raise ConfigError(f"D3D_WORKER_HANG_S: must be > 0, got {self.hang_s}")
+
+    @classmethod
+    def from_env(cls) -> ProposerSettings:
+        env = os.environ
+        return cls(
+            mode=env.get("D3D_VLLM_MODE", "auto"),
+            stats_path=env.get("D3D_VLLM_STATS") or None,
+            copy=env.get("D3D_COPY", "1").strip().lower() not in ("0", "false", "no", "off"),
+            hang_s=float(env.get("D3D_WORKER_HANG_S", "5")),
+        )
+
+
+def external_id(req_id: str) -> str:
+    """The id a client gave (vLLM appends ``-`` and 8 characters to make it unique)."""
+    return req_id[:-9] if len(req_id) > 9 and req_id[-9] == "-" else req_id
+
+
+def find_runner() -> object | None:
+    """vLLM's model runner, the caller several frames up (it builds its drafter in __init__)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None and type(obj).__name__.endswith("ModelRunner"):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (tests), or another layout: one rank
+        return 0
+
+
+def worker_cores(device: str | None) -> list[int] | None:
+    """The CPU cores of a drafter process: ``cpu:CORES`` as given, else the last core when
+    there are two or more (None: a GPU drafter, or one core)."""
+    if device and device.startswith("cuda"):
+        return None
+    if device and device.startswith("cpu:"):
+        return list(parse_cores(device[4:]))
+    cores = available_cores()
+    return [cores[-1]] if len(cores) >= 2 else None
+
+
+class D3DProposer:
+    """vLLM's ``custom_class`` proposer (see the module docstring)."""
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self.target_layers = int(
+            getattr(vllm_config.model_config.hf_config, "num_hidden_layers", 0) or 0
+        )
+        self.served = str(vllm_config.model_config.model)
+        self.runner = find_runner()
+        self.settings = ProposerSettings.from_env()
+        self.rows: RequestRows | None = None
+        self.supervisor: Supervisor | None = None
+        self.stats_server: StatsServer | None = None
+        self.totals = DecodeStats(mode="all")
+        self.errors = 0
+        if self.runner is None:
+            log.error("D3D proposer: vLLM's model runner not found; no drafts (vLLM changed?)")
+
+    # ----- vLLM's calls -----------------------------------------------------------------------
+    def load_model(self, target=None) -> None:
+        """Start the drafter worker (rank 0 only); vLLM passes its target, which is not read."""
+        if self.runner is None or _tp_rank() != 0 or self.rows is not None:
+            return
+        env_target = os.environ.get("D3D_TARGET")
+        cfg = ModelConfig.from_env(target=env_target or self.served)
+        device = cfg.drafter_device or "cpu"
+        torch_device = device if device.startswith("cuda") else "cpu"
+        cores = worker_cores(cfg.drafter_device)
+        log.info(
+            "D3D proposer: drafter %s of %s on %s%s, K=%d, default mode %s",
+            cfg.drafter,
+            cfg.target,
+            torch_device,
+            f" (cores {cores})" if cores else "",
+            self.k,
+            self.settings.mode,
+        )
+        factory = DrafterFactory(cfg, torch_device)
+        self.supervisor = Supervisor(
+            lambda: ProcessWorker(factory, cores),
+            SupervisorConfig(hang_s=self.settings.hang_s),
+        )
+        self.link = BatchedLink(self.supervisor)
+        self.host = HostCosts()
+        self.kit = ModeKit(
+            self.host,
+            self.vocab_size,
+            max_len=self.k,
+            link=self.link,
+            copies=self._copies if self.settings.copy else None,
+        )
+        self.rows = RequestRows(self._make, self.link.flush, self.k, totals=self.totals)
+        if self.settings.stats_path:
+            self.stats_server = StatsServer(self.settings.stats_path, self._answer)
+        atexit.register(self.close)
+
+    def propose(
+        self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
+    ) -> list[list[int]]:
+        """Drafts for every row of vLLM's input batch (``[]``: none)."""
+        n = len(sampled_token_ids)
+        if self.rows is None:
+            return [[] for _ in range(n)]
+        try:
+            return self.rows.step(self._views(sampled_token_ids, num_tokens_no_spec, token_ids_cpu))
+        except Exception:  # never fail vLLM's step: this step goes without drafts
+            self.errors += 1
+            log.exception("D3D proposer: a step failed; no drafts this step")
+            return [[] for _ in range(n)]
+
+    # ----- helpers ----------------------------------------------------------------------------
+    def _views(self, sampled, num_tokens, token_ids) -> list[RowView]:
+        batch, requests = self.runner.input_batch, self.runner.requests
+        views = []
+        for i, s in enumerate(sampled):
+            rid = batch.req_ids[i]
+            state = requests.get(rid)
+            sp = getattr(state, "sampling_params", None)
+            mode = ((getattr(sp, "extra_args", None) or {}).get("d3d_mode")) or self.settings.mode
+            length = int(num_tokens[i])
+            budget = None
+            prompt = getattr(state, "prompt_token_ids", None)
+            if sp is not None and sp.max_tokens is not None and prompt is not None:
+                budget = int(sp.max_tokens) - (length - len(prompt))
+            ctx = token_ids[i, :length].tolist() if s and mode != "ar" else ()
+            views.append(RowView(external_id(rid), mode, ctx, list(s), budget))
+        return views
+
+    def _make(self, mode: str, budget: int | None):
+        if mode not in MODES:
+            log.warning("D3D proposer: unknown mode %r, using %s", mode, self.settings.mode)
+            mode = self.settings.mode
+        self.kit.read_cost = self._read_cost()
+        return self.kit.proposer(mode, budget, copy=self.settings.copy)
+
+    def _copies(self) -> CopyDrafts:
+        return CopyDrafts(self.host.copy, max_len=self.k, vocab_size=self.vocab_size)
+
+    def _read_cost(self) -> float:
+        layers = (self.supervisor.info if self.supervisor else {}).get("layers") or 0
+        return min(layers / self.target_layers, 1.0) if layers and self.target_layers else 1.0
+
+    def _answer(self, question: tuple) -> object:
+        kind = question[0]
+        if kind == "request":
+            return self.rows.stats(str(question[1])) if self.rows is not None else None
+        if kind == "totals":
+            out = self.totals.to_dict()
+            out["worker"] = self.supervisor.status() if self.supervisor else None
+            out["resyncs"] = self.rows.resyncs if self.rows else 0
+            out["errors"] = self.errors
+            return out
+        raise ValueError(f"unknown question {kind!r}")
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
+        if self.supervisor is not None:
+            self.supervisor.close()
+        if self.stats_server is not None:
+            self.stats_server.close()
