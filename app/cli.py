@@ -31,6 +31,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         doc_cache_dir=args.doc_cache_dir,
         copy=False if args.no_copy else None,
         prefill_share=args.prefill_share,
+        engine=args.engine,
+        vllm_eager=True if args.vllm_eager else None,
     )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -39,8 +41,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("app")
     m = settings.model
     log.info(
-        "d3d serve: target %s on %s, drafter %s on %s; http://%s:%d (max batch %d, max queue %d, "
-        "API key %s)",
+        "d3d serve (%s engine): target %s on %s, drafter %s on %s; http://%s:%d (max batch %d, "
+        "max queue %d, API key %s)",
+        settings.engine,
         m.target,
         m.target_device,
         m.drafter,
@@ -91,6 +94,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the step at most this much longer again (D3D_PREFILL_SHARE, default 2.0: decoding rows "
         "at most about 3x slower while long prompts are read, in exchange for reading them "
         "faster)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("own", "vllm"),
+        default=None,
+        help="decode with the project's engine (own, default) or vLLM's with the D3D drafter as "
+        "its speculative proposer (vllm: needs vLLM installed, `make setup` does; D3D_ENGINE)",
+    )
+    p.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="vLLM without compilation: starts in seconds, decodes slower (D3D_VLLM_EAGER=1)",
     )
     add_model_args(p)
     p.set_defaults(func=cmd_serve)

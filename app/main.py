@@ -38,7 +38,12 @@ def model_name(settings: ServeSettings) -> str:
 def create_app(settings: ServeSettings | None = None, engine_factory=load_engine) -> FastAPI:
     settings = settings or ServeSettings.from_env()
     metrics = Metrics()
-    worker = EngineWorker(settings, metrics, engine_factory)
+    if settings.engine == "vllm":
+        from app.vllm_worker import VllmWorker
+
+        worker = VllmWorker(settings, metrics)
+    else:
+        worker = EngineWorker(settings, metrics, engine_factory)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

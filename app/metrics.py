@@ -4,12 +4,18 @@ Request counts and latency by route and status, time to first token, generated t
 tokens/s, queue depth and running batch size, speculative decoding counters with vLLM's names
 (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, accepted tokens per position),
 async-drafting branch hits and misses (when the decode statistics carry them), and the keep ratio
-of compressed documents.
+of compressed documents, and the drafter worker's state (``d3d_drafter_worker_up``,
+``d3d_drafter_worker_restarts_total``, read from its supervisor at each scrape). An engine with
+metrics of its own (vLLM's ``vllm:*``) adds its registry, rendered after the service's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 
@@ -70,6 +76,16 @@ class Metrics:
             registry=r,
         )
 
+        self._extra: list[Callable[[], CollectorRegistry]] = []
+
+    def watch_worker(self, status: Callable[[], dict | None]) -> None:
+        """Export the drafter worker's state from ``status()`` (its supervisor's ``status``)."""
+        self.registry.register(_WorkerCollector(status))
+
+    def add_registry(self, registry: Callable[[], CollectorRegistry]) -> None:
+        """Render another registry (an engine's own metrics) after this one."""
+        self._extra.append(registry)
+
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         labels = (route, method, str(status))
         self.requests.labels(*labels).inc()
@@ -91,4 +107,26 @@ class Metrics:
         self.branch_misses.inc(stats.get("branch_misses", 0) or 0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return b"".join(
+            [generate_latest(self.registry), *(generate_latest(r()) for r in self._extra)]
+        )
+
+
+class _WorkerCollector(Collector):
+    """The drafter worker's gauge and restart counter, read at scrape time."""
+
+    def __init__(self, status: Callable[[], dict | None]):
+        self.status = status
+
+    def collect(self) -> Iterator:
+        s = self.status()
+        if s is None:  # no drafter worker: nothing to report
+            return
+        up = GaugeMetricFamily("d3d_drafter_worker_up", "1 while the drafter worker is up")
+        up.add_metric([], 1.0 if s.get("state") == "up" else 0.0)
+        yield up
+        restarts = CounterMetricFamily(
+            "d3d_drafter_worker_restarts", "Drafter workers replaced (died, hung, never ready)"
+        )
+        restarts.add_metric([], float(s.get("restarts", 0)))
+        yield restarts

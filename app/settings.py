@@ -6,7 +6,8 @@ the service adds ``D3D_HOST``, ``D3D_PORT``, ``D3D_MAX_QUEUE``, ``D3D_MAX_BATCH`
 ``D3D_MAX_DOCUMENT_TOKENS``, ``D3D_API_KEY``, ``D3D_REQUEST_TIMEOUT`` and
 ``D3D_SERVED_MODEL_NAME``, ``D3D_DOC_CACHE_DIR``, ``D3D_COPY`` (``0``: no copy rounds) and
 ``D3D_PREFILL_SHARE`` (how much of a step's verify forward a chunk of prompt may cost while rows
-decode).
+decode), ``D3D_ENGINE`` (``own``, the default, or ``vllm``: :mod:`app.vllm_worker`) and
+``D3D_VLLM_EAGER`` (vLLM without compilation: starts in seconds, decodes slower).
 Explicit values (flags) win over the environment.
 """
 
@@ -43,7 +44,11 @@ ENV = {
     "doc_cache_dir": ("D3D_DOC_CACHE_DIR", str),
     "copy": ("D3D_COPY", _switch),
     "prefill_share": ("D3D_PREFILL_SHARE", float),
+    "engine": ("D3D_ENGINE", str),
+    "vllm_eager": ("D3D_VLLM_EAGER", _switch),
 }
+
+ENGINES = ("own", "vllm")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ class ServeSettings:
     warmup: bool = True
     copy: bool = True  # auto rows may verify copies of their own text (d3d.decoding.lookup)
     prefill_share: float = 2.0  # prompt chunks may make a decoding step this much longer
+    engine: str = "own"  # "own": the project's engine; "vllm": vLLM's, D3D as its proposer
+    vllm_eager: bool = False  # vLLM without torch.compile / CUDA graphs
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +80,7 @@ class ServeSettings:
             (self.max_document_tokens >= 1, "max_document_tokens", "must be >= 1"),
             (self.request_timeout > 0, "request_timeout", "must be > 0"),
             (self.prefill_share > 0, "prefill_share", "must be > 0"),
+            (self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}"),
         ]
         for ok, name, msg in checks:
             if not ok:

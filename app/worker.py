@@ -35,7 +35,7 @@ from d3d.engine import GenRequest, KvLimitError, PrefillBudget, Scheduler
 
 log = logging.getLogger("app.worker")
 
-__all__ = ["EngineWorker", "Job", "Models", "Prepared", "load_engine"]
+__all__ = ["EngineWorker", "Job", "Models", "Prepared", "admit", "build_prompt", "load_engine"]
 
 
 class Models:
@@ -97,6 +97,42 @@ class Job:
         return self._cancelled.is_set()
 
 
+def admit(worker) -> None:
+    """Refuse a new job with 503 unless ``worker`` (either engine's) is ready and its queue has
+    room (``Retry-After`` says when to try again)."""
+    if worker.state == "failed":
+        raise ApiError(503, f"the model failed to load: {worker.error}", kind="server_error")
+    if not worker.ready:
+        raise ApiError(
+            503, "the model is still loading", kind="server_busy", headers={"Retry-After": "5"}
+        )
+    limit = worker.settings.max_queue
+    if worker.queue_depth >= limit:
+        worker.metrics.rejected.inc()
+        raise ApiError(
+            503,
+            f"the queue is full ({limit} requests waiting): retry later",
+            kind="server_busy",
+            headers={"Retry-After": "1"},
+        )
+
+
+def build_prompt(job: Job, models: Models) -> Prepared | None:
+    """The job's prompt, or None after telling the client why not (or it left)."""
+    if job.cancelled:
+        return None
+    try:
+        return job.prepare(models)
+    except ApiError as exc:
+        job.put("error", exc)
+    except ValueError as exc:
+        job.put("error", ApiError(400, str(exc)))
+    except Exception as exc:
+        log.exception("preparing a request failed")
+        job.put("error", exc)
+    return None
+
+
 def load_engine(settings: ServeSettings):
     from d3d.engine import Engine
 
@@ -128,6 +164,7 @@ class EngineWorker:
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # made in start(): apps get pickled (Ray)
         self._reader: threading.Thread | None = None
+        metrics.watch_worker(self.drafter_worker)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,6 +188,11 @@ class EngineWorker:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    def drafter_worker(self) -> dict | None:
+        """The drafter worker's state, pid and restarts (None: the engine has none)."""
+        engine = self.engine
+        return engine.worker_status() if engine is not None else None
 
     def _run(self) -> None:
         try:
@@ -241,20 +283,7 @@ class EngineWorker:
         return self._pending + waiting
 
     def submit(self, job: Job) -> None:
-        if self.state == "failed":
-            raise ApiError(503, f"the model failed to load: {self.error}", kind="server_error")
-        if not self.ready:
-            raise ApiError(
-                503, "the model is still loading", kind="server_busy", headers={"Retry-After": "5"}
-            )
-        if self.queue_depth >= self.settings.max_queue:
-            self.metrics.rejected.inc()
-            raise ApiError(
-                503,
-                f"the queue is full ({self.settings.max_queue} requests waiting): retry later",
-                kind="server_busy",
-                headers={"Retry-After": "1"},
-            )
+        admit(self)
         self._count(+1)
         self._inbox.put(("job", job))
 
@@ -309,19 +338,7 @@ class EngineWorker:
                 self._inbox.put(("ready", job, prepared))
 
     def _prepare(self, job: Job) -> Prepared | None:
-        """The job's prompt, or None after telling the client why not (or it left)."""
-        if job.cancelled:
-            return None
-        try:
-            return job.prepare(self.models)
-        except ApiError as exc:
-            job.put("error", exc)
-        except ValueError as exc:
-            job.put("error", ApiError(400, str(exc)))
-        except Exception as exc:
-            log.exception("preparing a request failed")
-            job.put("error", exc)
-        return None
+        return build_prompt(job, self.models)
 
     def _admit(self, job: Job, prepared: Prepared) -> None:
         """Add a prepared job to the engine (engine thread only)."""

@@ -23,7 +23,12 @@ async def ready(request: Request):
     """Readiness: models loaded and a tiny generation done (503 until then)."""
     worker = request.app.state.worker
     if worker.ready:
-        return {"status": "ready", "model": request.app.state.model_name, **worker.model_info}
+        return {
+            "status": "ready",
+            "model": request.app.state.model_name,
+            **worker.model_info,
+            "drafter_worker": worker.drafter_worker(),
+        }
     body = {"status": worker.state, "error": worker.error or None}
     return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 

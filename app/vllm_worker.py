@@ -1,0 +1,334 @@
+"""The service on vLLM's engine (``d3d serve --engine vllm``): the same routes, vLLM decoding.
+
+:class:`VllmWorker` has the surface of :class:`~app.worker.EngineWorker` that the routes use
+(``submit``, ``state``, ``detokenizer``, ``model_info``, ``metrics``), so ``/qa``, the OpenAI
+routes, ``/metrics`` and the page are unchanged. What differs:
+
+- Decoding is vLLM's ``AsyncLLM`` (its own engine process; paged KV, its scheduler, CUDA graphs
+  on a GPU), with the D3D drafter as its speculative proposer (:mod:`d3d.vllm.proposer`, its
+  worker on the drafter's device). Each request's mode travels as ``extra_args["d3d_mode"]``;
+  a request is abandoned (client gone, timeout, stop string) by cancelling its task, which
+  aborts it in vLLM.
+- Prompts are built as on the own engine (:func:`~app.worker.build_prompt`): chat prompts on a
+  prompt thread, documents on a reader thread kept on the drafter's CPU cores, both with the
+  same compression models as the own engine (a target and drafter loaded for reading, on the
+  drafter's device), so a ``/qa`` kept prompt is the own engine's.
+- Per-request speculative figures (drafts, acceptance, branch hits and misses) come from the
+  proposer over its Unix socket (:mod:`d3d.vllm.stats`), as does the drafter worker's state;
+  ``/metrics`` adds vLLM's own metrics (``vllm:spec_decode_*``).
+
+Models load on a thread at start (vLLM's engine, then the reading models); the warm-up runs on
+the event loop (vLLM's output handler lives there): it waits for the drafter worker and sends a
+tiny request per mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from app.errors import ApiError
+from app.metrics import Metrics
+from app.prepared import Prepared
+from app.settings import ServeSettings
+from app.worker import Job, Models, admit, build_prompt
+from d3d.config import SamplingConfig
+from d3d.model.memory import kv_bytes_per_token
+from d3d.vllm import VLLM_VERSION
+from d3d.vllm.engine import engine_args, prepare_env, speculative_config
+from d3d.vllm.proposer import worker_cores
+from d3d.vllm.stats import StatsClient
+
+log = logging.getLogger("app.vllm")
+
+STOP_REASONS = {"stop": "eos", "length": "length", "abort": "cancelled"}
+
+
+def sampling_params(sampling: SamplingConfig, max_tokens: int, eos: set[int], mode: str):
+    """vLLM's sampling parameters for a job: token deltas, no detokenizing (the service decodes
+    text itself), the target's end-of-sequence ids, the mode for the proposer."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        max_tokens=max_tokens,
+        stop_token_ids=sorted(eos),
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"d3d_mode": mode},
+    )
+
+
+class _Abort:
+    """What ``Job.cancel`` calls: cancel the job's task on its loop (vLLM then aborts it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task):
+        self.loop, self.task = loop, task
+
+    def cancel(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+
+
+class VllmWorker:
+    """The routes' engine worker on vLLM (see the module docstring)."""
+
+    def __init__(self, settings: ServeSettings, metrics: Metrics, engine_factory=None):
+        self.settings, self.metrics = settings, metrics
+        self.state, self.error = "loading", ""
+        self.engine = None  # the reading models (compression) and the tokenizer
+        self.models: Models | None = None
+        self.detokenizer = None
+        self.llm = None
+        self._info: dict = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self._waiting = 0  # submitted, no token yet
+        self._running = 0
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._prompts = ThreadPoolExecutor(1, thread_name_prefix="d3d-prompts")
+        self._reader = ThreadPoolExecutor(
+            1, thread_name_prefix="d3d-reader", initializer=self._reader_cores
+        )
+        sock_dir = tempfile.mkdtemp(prefix="d3d-vllm-")
+        self.stats_path = os.path.join(sock_dir, "stats.sock")
+        self.stats = StatsClient(self.stats_path)
+        metrics.watch_worker(self.drafter_worker)
+        metrics.add_registry(_vllm_registry)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._load, name="d3d-vllm-load", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.shutdown()
+        self._prompts.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            os.unlink(self.stats_path)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def model_info(self) -> dict:
+        return self._info
+
+    def drafter_worker(self) -> dict | None:
+        """The proposer's drafter worker: state, pid, restarts (None: no drafter)."""
+        if not self._info.get("drafter"):
+            return None
+        totals = self.stats.ask("totals")
+        if not isinstance(totals, dict) or totals.get("worker") is None:
+            return {"state": "down", "pid": None, "restarts": 0}
+        return totals["worker"]
+
+    def _load(self) -> None:
+        try:
+            self._load_models()
+        except Exception as exc:
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("loading failed")
+            return
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._warmup(), self._loop)
+
+    def _load_models(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from d3d.engine import Engine
+
+        t0 = time.perf_counter()
+        s, cfg = self.settings, self.settings.model
+        prepare_env(cfg, mode="auto", stats_path=self.stats_path)
+        args = engine_args(
+            cfg,
+            served_name=s.served_model_name or "default",
+            max_batch=s.max_batch,
+            eager=s.vllm_eager,
+            kv_bytes=None,
+        )
+        drafter = speculative_config(cfg) is not None
+        # The reading models (compression, tokenizer) on the drafter's device: never the target's.
+        reading = replace(cfg, target_device=cfg.resolved_drafter_device, max_kv_tokens=None)
+        self.engine = Engine.from_config(reading, with_drafter=drafter)
+        if cfg.max_kv_tokens:  # the same budget in vLLM's unit (bytes of its KV dtype)
+            per_token = kv_bytes_per_token(self.engine.target.model.config, _dtype(args["dtype"]))
+            args["kv_cache_memory_bytes"] = cfg.max_kv_tokens * per_token
+        log.info("vLLM engine arguments: %s", args)
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        self.models = Models(self.engine, s.doc_cache_dir)
+        self.detokenizer = copy.deepcopy(self.engine.tokenizer)
+        self.eos = set(self.engine.target.eos_token_ids)
+        vc = self.llm.vllm_config
+        self._info = {
+            "engine": "vllm",
+            "vllm_version": VLLM_VERSION,
+            "target": cfg.target,
+            "target_device": cfg.target_device,
+            "dtype": args["dtype"],
+            "window": vc.model_config.max_model_len,
+            "drafter": cfg.drafter if drafter else None,
+            "drafter_device": cfg.drafter_device or cfg.resolved_drafter_device
+            if drafter
+            else None,
+            "block_size": 16 if drafter else None,
+            "max_kv_tokens": cfg.max_kv_tokens,
+            "load_seconds": round(time.perf_counter() - t0, 2),
+        }
+        log.info("loaded %s", self._info)
+
+    async def _warmup(self) -> None:
+        """Wait for the drafter worker, then a tiny request per mode (ar, sync)."""
+        try:
+            if self._info.get("drafter"):
+                for _ in range(1200):
+                    w = self.drafter_worker()
+                    if w and w.get("state") == "up":
+                        break
+                    await asyncio.sleep(0.5)
+            if self.settings.warmup:
+                ids = self.engine.encode("Say hello.", True)
+                modes = ["ar"] + (["sync"] if self._info.get("drafter") else [])
+                for mode in modes:
+                    sp = sampling_params(SamplingConfig(), 8, self.eos, mode)
+                    async for _ in self.llm.generate(
+                        {"prompt_token_ids": ids}, sp, f"warmup-{mode}"
+                    ):
+                        pass
+            self.state = "ready"
+            log.info(
+                "ready on vLLM (max batch %d, max queue %d)",
+                self.settings.max_batch,
+                self.settings.max_queue,
+            )
+        except Exception as exc:
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("warm-up failed")
+
+    # -- jobs ----------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    def submit(self, job: Job) -> None:
+        admit(self)
+        self._waiting += 1
+        self.metrics.queue_depth.set(self._waiting)
+        task = asyncio.get_running_loop().create_task(self._serve(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        job.req = _Abort(asyncio.get_running_loop(), task)
+
+    async def _serve(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        started = False
+        try:
+            job.dequeued = time.perf_counter()
+            pool = self._reader if job.reads_document else self._prompts
+            prepared: Prepared | None = await loop.run_in_executor(
+                pool, build_prompt, job, self.models
+            )
+            if prepared is None:
+                return
+            job.admitted = time.perf_counter()
+            job.put("prepared", prepared)
+            rid = f"d3d-{next(self._ids)}-{os.getpid()}"
+            sp = sampling_params(job.sampling, job.max_new_tokens, self.eos, job.mode)
+            prompt = {"prompt_token_ids": prepared.prompt_ids}
+            t0, first_at, n, reason = time.perf_counter(), None, 0, "length"
+            async for out in self.llm.generate(prompt, sp, rid):
+                o = out.outputs[0]
+                if o.token_ids:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                        self.metrics.ttft.observe(first_at - job.submitted)
+                        self._waiting -= 1
+                        self._running += 1
+                        started = True
+                        self._gauges()
+                    n += len(o.token_ids)
+                    job.put("tokens", list(o.token_ids))
+                if out.finished:
+                    reason = STOP_REASONS.get(o.finish_reason or "", o.finish_reason or "length")
+            stats = self._stats(rid, job, len(prepared.prompt_ids), n, reason, t0, first_at)
+            self.metrics.observe_stats(stats)
+            job.put("done", stats)
+        except asyncio.CancelledError:
+            pass  # the client left or timed out: vLLM aborted the request
+        except ValueError as exc:  # vLLM refuses the request (e.g. longer than its window)
+            job.put("error", ApiError(400, str(exc)))
+        except Exception as exc:
+            log.exception("a request failed on vLLM")
+            job.put("error", ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error"))
+        finally:
+            if started:
+                self._running -= 1
+            else:
+                self._waiting -= 1
+            self._gauges()
+
+    def _reader_cores(self) -> None:
+        """The reader thread reads on the drafter's CPU cores, never on vLLM's only ones."""
+        if self.settings.model.target_device.startswith("cuda"):
+            return
+        cores = worker_cores(self.settings.model.drafter_device)
+        if cores:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, set(cores))
+
+    def _gauges(self) -> None:
+        self.metrics.queue_depth.set(self._waiting)
+        self.metrics.running.set(self._running)
+
+    def _stats(self, rid, job, prompt_n, n, reason, t0, first_at) -> dict:
+        now = time.perf_counter()
+        decode_s = now - first_at if first_at is not None else 0.0
+        d3d = self.stats.ask("request", rid) if self._info.get("drafter") else None
+        stats = dict(d3d) if isinstance(d3d, dict) else {}
+        stats.update(
+            mode=job.mode,
+            prompt_tokens=prompt_n,
+            num_tokens=n,
+            stop_reason=reason,
+            prefill_seconds=round((first_at or now) - t0, 4),
+            decode_seconds=round(decode_s, 4),
+            tokens_per_second=round(n / decode_s, 3) if decode_s > 0 else 0.0,
+            engine="vllm",
+        )
+        return stats
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _vllm_registry():
+    """vLLM's Prometheus registry (its ``vllm:*`` metrics), rendered after the service's."""
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    return get_prometheus_registry()
+
+
+__all__ = ["VllmWorker", "sampling_params"]

@@ -1,0 +1,93 @@
+"""vLLM's engine arguments from the project's model settings (``--target``, ``--drafter``,
+``--device``, ``--drafter-device``, ``--max-kv-tokens``, ``--dtype``).
+
+:func:`engine_args` gives the keyword arguments of vLLM's ``AsyncEngineArgs`` / ``LLM`` for a
+:class:`~d3d.config.ModelConfig`: the target's weights (the embedded default: its converted
+folder under ``~/.cache/d3d``), the dtype (``auto``: bf16 on CUDA, fp32 on a CPU, as the own
+engine), the KV budget in bytes, and the D3D proposer as vLLM's ``custom_class`` speculative
+method with K = block size - 1 (None for ``drafter="none"``: vLLM alone). :func:`prepare_env`
+sets the variables the proposer reads in vLLM's model-runner process (``D3D_TARGET``,
+``D3D_DRAFTER``, ``D3D_DRAFTER_DEVICE``, ...), which inherits this process's environment, and on
+a CPU host lets vLLM compute on every core (its default reserves one for its front end) unless
+the caller set ``VLLM_CPU_*`` already.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from d3d.config import DEFAULT_BLOCK_SIZE, ModelConfig
+from d3d.model.load import DEFAULT_SPECS, embedded_default_dir
+
+PROPOSER = "d3d.vllm.D3DProposer"
+NO_DRAFTER = ("none", "off", "")
+
+
+def target_path(spec: str) -> str:
+    """What vLLM loads for a target spec: the embedded default's folder, else the spec."""
+    if spec.lower() in DEFAULT_SPECS:
+        return str(embedded_default_dir())
+    if spec.endswith(".gguf"):
+        raise ValueError("--engine vllm serves a folder or a Hugging Face id, not a .gguf file")
+    path = Path(spec).expanduser()
+    return str(path) if path.exists() else spec
+
+
+def speculative_config(cfg: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> dict | None:
+    """vLLM's ``speculative_config`` for the D3D proposer (None: no drafter)."""
+    if cfg.drafter.strip().lower() in NO_DRAFTER:
+        return None
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": block_size - 1}
+
+
+def engine_args(
+    cfg: ModelConfig,
+    *,
+    served_name: str = "default",
+    max_batch: int = 32,
+    eager: bool = False,
+    max_model_len: int | None = None,
+    kv_bytes: int | None = None,
+) -> dict:
+    """Keyword arguments for vLLM's engine (see the module docstring). ``kv_bytes``: the KV
+    budget in bytes (None: vLLM's default share of the device); ``eager``: no compilation
+    (starts in seconds instead of minutes; tests)."""
+    on_gpu = cfg.target_device.startswith("cuda")
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    args: dict = {
+        "model": target_path(cfg.target),
+        "served_model_name": served_name,
+        "dtype": dtype,
+        "max_num_seqs": max_batch,
+        "enforce_eager": eager,
+        "disable_log_stats": False,
+    }
+    if max_model_len:
+        args["max_model_len"] = max_model_len
+    if kv_bytes:
+        args["kv_cache_memory_bytes"] = int(kv_bytes)
+    spec = speculative_config(cfg)
+    if spec is not None:
+        args["speculative_config"] = spec
+    return args
+
+
+def prepare_env(cfg: ModelConfig, mode: str = "auto", stats_path: str | None = None) -> None:
+    """Set what the proposer reads in vLLM's runner process, and vLLM's CPU defaults."""
+    env = os.environ
+    env["D3D_TARGET"] = cfg.target
+    env["D3D_DRAFTER"] = cfg.drafter
+    env["D3D_DTYPE"] = cfg.dtype
+    env["D3D_VLLM_MODE"] = mode
+    if cfg.drafter_device:
+        env["D3D_DRAFTER_DEVICE"] = cfg.drafter_device
+    if stats_path:
+        env["D3D_VLLM_STATS"] = stats_path
+    if not cfg.target_device.startswith("cuda"):
+        cores = sorted(os.sched_getaffinity(0))
+        contiguous = cores == list(range(cores[0], cores[-1] + 1))
+        bind = f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
