@@ -1,7 +1,7 @@
 """Prometheus metrics: one registry per app, names shaped after vLLM's.
 
 Request counts and latency by route and status, time to first token, generated tokens and
-tokens/s, queue depth and running batch size, speculative decoding counters with vLLM's names
+tokens/s, queue depth, running batch size and the target KV it holds, speculative decoding counters with vLLM's names
 (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, accepted tokens per position),
 async-drafting branch hits and misses (when the decode statistics carry them), and the keep ratio
 of compressed documents, and the drafter worker's state (``d3d_drafter_worker_up``,
@@ -51,6 +51,9 @@ class Metrics:
         )
         self.queue_depth = Gauge("d3d_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.running = Gauge("d3d_running_requests", "Requests in the running batch", registry=r)
+        self.kv_in_use = Gauge(
+            "d3d_kv_tokens_in_use", "Target KV tokens reserved by the running requests", registry=r
+        )
         self.rejected = Counter("d3d_rejected_requests", "Refused: queue full", registry=r)
         self.drafts = Counter("d3d_spec_decode_num_drafts", "Speculative rounds", registry=r)
         self.draft_tokens = Counter(

@@ -207,6 +207,7 @@ class EngineWorker:
                 self.batch.step()
             self.metrics.queue_depth.set(self.queue_depth)
             self.metrics.running.set(len(self.batch.rows))
+            self.metrics.kv_in_use.set(self.batch.kv.reserved)
 
     def _load(self) -> None:
         t0 = time.perf_counter()

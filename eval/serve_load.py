@@ -135,11 +135,13 @@ async def run_level(url: str, clients: int, per_client: int, max_tokens: int) ->
 
 @dataclass(frozen=True)
 class Served:
-    """A ``d3d serve`` started by :func:`served`: its URL, its ``/ready`` reply, its arguments."""
+    """A ``d3d serve`` started by :func:`served`: its URL, its ``/ready`` reply, its arguments
+    and its process id (its children, a drafter worker for one, are its descendants)."""
 
     url: str
     ready: dict
     args: list[str]
+    pid: int
 
 
 @contextlib.contextmanager
@@ -151,15 +153,21 @@ def served(flags: list[str], port: int, log: Path) -> Iterator[Served]:
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            yield Served(url, wait_ready(url), args)
+            yield Served(url, wait_ready(url, proc=proc, log=log), args, proc.pid)
         finally:
             proc.terminate()
             proc.wait(30)
 
 
-def wait_ready(url: str, timeout: float = 600) -> dict:
+def wait_ready(
+    url: str, timeout: float = 600, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> dict:
+    """The server's ``/ready`` reply once it is ready (``proc``: the server process, whose exit
+    ends the wait at once)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"d3d serve exited with code {proc.returncode} (its output: {log})")
         try:
             r = httpx.get(url + "/ready", timeout=5)
             if r.status_code == 200:

@@ -75,10 +75,10 @@ def _target_outline(mcfg):
 
 
 def _records(args: argparse.Namespace):
-    from d3d.training.data import read_many, training_guard, validation_split
+    """The training and validation records of ``--data``, checked (:mod:`.inputs`)."""
+    from d3d.training.inputs import load_training_data
 
-    records = training_guard(read_many(args.data, "train"), args.allow_eval_sources)
-    return validation_split(records, args.val_seqs)
+    return load_training_data(args.data, args.val_seqs, args.allow_eval_sources)
 
 
 def _gamma(text: str) -> float | None:
@@ -174,19 +174,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     from d3d.training.train import train
 
     cfg = _train_config(args, args.steps, args.save_every)
-    train_recs, val_recs = _records(args)
+    data = _records(args)
     rank, device = parallel.start(model_config(args).target_device)
     try:
         target, drafter = _load(args, _init_spec(args), device if rank.enabled else None,
                                 args.adapter_rank)  # fmt: skip
+        data.check_tokenizer(target)
         if args.draft_vocab is not None:
             from d3d.training.data import draft_vocabulary
 
             ids = None
             if args.draft_vocab > 0:
-                ids = draft_vocabulary(train_recs, args.draft_vocab, target.eos_token_ids)
+                ids = draft_vocabulary(data.train, args.draft_vocab, target.eos_token_ids)
             drafter.set_draft_vocab(ids)
-        result = train(drafter, train_recs, cfg, args.out, val_recs, resume=not args.no_resume,
+        result = train(drafter, data.train, cfg, args.out, data.val, resume=not args.no_resume,
                        progress=not args.quiet, dist=rank)  # fmt: skip
         if not rank.main:
             return 0
@@ -225,9 +226,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
         recovery=_train_config(args, args.recovery_steps, args.recovery_steps),
         val_stride=args.val_stride,
     )
-    train_recs, val_recs = _records(args)
+    data = _records(args)
     target, drafter = _load(args, args.drafter)
-    stages, chosen = prune(drafter, target.model, train_recs, val_recs, cfg, args.out)
+    data.check_tokenizer(target)
+    stages, chosen = prune(drafter, target.model, data.train, data.val, cfg, args.out)
     chosen.save(Path(args.out) / "chosen")
     if args.export:
         from d3d.training.train import save_compact
@@ -240,6 +242,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_accept(args: argparse.Namespace) -> int:
     from d3d.training.accept import offline_acceptance
     from d3d.training.data import read_many
+    from d3d.training.inputs import check_tokenizer
 
     records = read_many(args.data, args.split)
     if args.ids:
@@ -248,7 +251,8 @@ def cmd_accept(args: argparse.Namespace) -> int:
         wanted = [json.loads(x)["id"] for x in Path(args.ids).read_text().splitlines() if x.strip()]
         records = [by_id[i] for i in wanted if i in by_id]
     records = records[: args.limit or None]
-    _, drafter = _load(args, args.drafter or "default")
+    target, drafter = _load(args, args.drafter or "default")
+    check_tokenizer(records, target, ", ".join(args.data))
     t0 = time.perf_counter()
     acc = offline_acceptance(drafter, records, mode=args.mode, stride=args.stride,
                              max_response=args.max_new_tokens)  # fmt: skip
@@ -291,7 +295,9 @@ def _train_flags(p: argparse.ArgumentParser, steps: int) -> None:
         help="train on evaluation-set records too (HumanEval, GSM8K, MT-Bench, AIME25)",
     )
     g.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
-    g.add_argument("--val-seqs", type=int, default=12, help="training records set aside")
+    g.add_argument("--val-seqs", type=int, default=None,
+                   help="training records set aside for validation (default 12, at most a "
+                   "quarter of them)")  # fmt: skip
     g.add_argument("--val-every", type=int, default=50)
     g.add_argument("--val-stride", type=int, default=8)
     g.add_argument("--seed", type=int, default=0)

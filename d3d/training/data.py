@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 # What `d3d eval speed` reports on: never training data unless asked for and labelled.
 EVAL_SOURCES = frozenset({"humaneval", "gsm8k", "mtbench", "aime25"})
+# What every record carries (and ``text``, the decoded response, when generated).
+RECORD_KEYS = frozenset({"id", "split", "prompt_ids", "response_ids"})
+# A record trains when its response has a token with a next token (one block anchor).
+MIN_RESPONSE_TOKENS = 2
 
 
 def package_file(package: str, rel: str) -> Path:
@@ -49,23 +53,31 @@ def package_file(package: str, rel: str) -> Path:
 
 def read_jsonl(path: Path, repair: bool = False) -> Iterator[dict]:
     """Rows of a jsonl file (gzipped when it ends in ``.gz``), streamed. ``repair``: a torn
-    last line (a writer killed mid-line) is cut off the file instead of failing."""
+    last line (a writer killed mid-line) is cut off the file instead of failing. A file that
+    cannot be read, or a line that is not JSON, is a ValueError naming the file (and line)."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                torn = not line.endswith("\n")  # only the last line can lack its newline
-                if not (repair and torn and path.suffix != ".gz"):
-                    raise
-                log.warning("%s: dropping a torn last line (%d bytes)", path, len(line))
-                with path.open("r+b") as w:
-                    w.truncate(path.stat().st_size - len(line.encode("utf-8")))
-                return
-            yield row
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    torn = not line.endswith("\n")  # only the last line can lack its newline
+                    if not (repair and torn and path.suffix != ".gz"):
+                        raise ValueError(f"{path}: line {i} is not JSON ({exc.msg})") from None
+                    log.warning("%s: dropping a torn last line (%d bytes)", path, len(line))
+                    with path.open("r+b") as w:
+                        w.truncate(path.stat().st_size - len(line.encode("utf-8")))
+                    return
+                yield row
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (it is not UTF-8)") from None
+    except (OSError, EOFError) as exc:  # no permission, not gzip, a truncated gzip stream
+        raise ValueError(
+            f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})"
+        ) from None
 
 
 def is_heldout(prompt_id: str, fraction: float) -> bool:
@@ -105,11 +117,20 @@ def training_guard(records: Sequence[dict], allow_eval: bool = False) -> list[di
 
 
 def read_records(path: str | Path, split: str | None = None) -> list[dict]:
-    """Records of a data file, optionally only one split (``train`` or ``heldout``)."""
+    """Records of a data file, optionally only one split (``train`` or ``heldout``). A file
+    with no record, or a row that is not a record, is a ValueError naming the file."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file not found: {p}")
-    return [r for r in read_jsonl(p) if split is None or r["split"] == split]
+    rows = list(read_jsonl(p))
+    if not rows:
+        raise ValueError(f"{p}: no records (the file is empty); write some with `d3d data`")
+    for i, r in enumerate(rows, 1):
+        if not (isinstance(r, dict) and r.keys() >= RECORD_KEYS):
+            raise ValueError(
+                f"{p}: record {i} is not a `d3d data` record (it needs {', '.join(sorted(RECORD_KEYS))})"
+            )
+    return [r for r in rows if split is None or r["split"] == split]
 
 
 def validation_split(records: Sequence[dict], n: int) -> tuple[list[dict], list[dict]]:

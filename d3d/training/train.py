@@ -47,6 +47,7 @@ from tqdm import tqdm
 from d3d.model.drafter import WEIGHTS_FILE, D3DDrafter
 from d3d.training.accept import offline_acceptance
 from d3d.training.curves import plot_log
+from d3d.training.data import MIN_RESPONSE_TOKENS
 from d3d.training.objectives import LossConfig, LossParts, Packed, pack
 from d3d.training.parallel import STRATEGIES, Dist, Replicas
 
@@ -134,7 +135,7 @@ def _permutation(n: int, seed: int, epoch: int) -> list[int]:
 def usable(records: Sequence[dict]) -> list[dict]:
     """Records with something to train on (two response tokens or more): every one of them
     packs, so every rank runs every micro-step it is given."""
-    return [r for r in records if len(r["response_ids"]) >= 2]
+    return [r for r in records if len(r["response_ids"]) >= MIN_RESPONSE_TOKENS]
 
 
 def packed_sequence(rec: dict, index: int, block_size: int, cfg: TrainConfig) -> Packed:
