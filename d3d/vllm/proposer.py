@@ -26,7 +26,8 @@ A failure of the drafter (dead, hung, garbage) costs a request its speculation, 
 answer: the proposer returns no draft for it, and any error inside this adapter returns no draft
 for the step. With tensor parallelism only rank 0 drafts (vLLM takes the drafts from it).
 ``D3D_VLLM_STATS`` (a socket path) serves per-request and total figures to the server
-(:mod:`d3d.vllm.stats`). The target's spec for the drafter is ``D3D_TARGET`` (default: the
+(:mod:`d3d.vllm.stats`); ``D3D_BRANCHES`` fixes the branches per round (default: as many as fit
+in the verification); ``D3D_WORKER_HANG_S``: a worker silent this long is replaced (5). The target's spec for the drafter is ``D3D_TARGET`` (default: the
 model vLLM serves); the drafter is ``D3D_DRAFTER`` (default: ``default``).
 """
 
@@ -48,6 +49,7 @@ from d3d.vllm.rows import RequestRows, RowView
 from d3d.vllm.stats import StatsServer
 from d3d.worker.modes import MODES, ModeKit
 from d3d.worker.proposer import BatchedLink
+from d3d.worker.server import ServerConfig
 from d3d.worker.supervisor import Supervisor, SupervisorConfig
 from d3d.worker.workers import ProcessWorker, available_cores
 
@@ -62,6 +64,7 @@ class ProposerSettings:
     stats_path: str | None = None
     copy: bool = True
     hang_s: float = 5.0
+    branches: int | None = None  # a fixed number of branches per round (None: the budget's)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +73,8 @@ class ProposerSettings:
             )
         if self.hang_s <= 0:
             raise ConfigError(f"D3D_WORKER_HANG_S: must be > 0, got {self.hang_s}")
+        if self.branches is not None and self.branches < 0:
+            raise ConfigError(f"D3D_BRANCHES: must be >= 0, got {self.branches}")
 
     @classmethod
     def from_env(cls) -> ProposerSettings:
@@ -79,6 +84,7 @@ class ProposerSettings:
             stats_path=env.get("D3D_VLLM_STATS") or None,
             copy=env.get("D3D_COPY", "1").strip().lower() not in ("0", "false", "no", "off"),
             hang_s=float(env.get("D3D_WORKER_HANG_S", "5")),
+            branches=int(env["D3D_BRANCHES"]) if env.get("D3D_BRANCHES") else None,
         )
 
 
@@ -159,8 +165,9 @@ class D3DProposer:
             self.settings.mode,
         )
         factory = DrafterFactory(cfg, torch_device)
+        server = ServerConfig(fixed_branches=self.settings.branches)
         self.supervisor = Supervisor(
-            lambda: ProcessWorker(factory, cores),
+            lambda: ProcessWorker(factory, cores, cfg=server),
             SupervisorConfig(hang_s=self.settings.hang_s),
         )
         self.link = BatchedLink(self.supervisor)

