@@ -49,10 +49,11 @@ def engine_args(
     eager: bool = False,
     max_model_len: int | None = None,
     kv_bytes: int | None = None,
+    **extra: object,
 ) -> dict:
     """Keyword arguments for vLLM's engine (see the module docstring). ``kv_bytes``: the KV
     budget in bytes (None: vLLM's default share of the device); ``eager``: no compilation
-    (starts in seconds instead of minutes; tests)."""
+    (starts in seconds instead of minutes; tests); ``extra``: more of vLLM's arguments."""
     on_gpu = cfg.target_device.startswith("cuda")
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     args: dict = {
@@ -70,6 +71,7 @@ def engine_args(
     spec = speculative_config(cfg)
     if spec is not None:
         args["speculative_config"] = spec
+    args.update(extra)
     return args
 
 
