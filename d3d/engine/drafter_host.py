@@ -40,7 +40,7 @@ class CpuBudget:
 
 
 def launch_process(
-    cfg: ModelConfig, place: Placement
+    cfg: ModelConfig, place: Placement, factory=None
 ) -> tuple[WorkerClient, CpuBudget | None] | None:
     """Start a drafter process where ``place`` says and pin this process to the other cores.
     Returns the worker and the CPU budget it leaves this process (None when ``place`` is a
@@ -52,7 +52,7 @@ def launch_process(
         list(place.drafter_cores),
         list(place.target_cores),
     )
-    worker = ProcessWorker(DrafterFactory(cfg), list(place.drafter_cores))
+    worker = ProcessWorker(factory or DrafterFactory(cfg), list(place.drafter_cores))
     budget = None
     if place.target_cores:
         threads = len(place.target_cores)
@@ -74,7 +74,10 @@ class DrafterHost:
         drafter,
         supervision: SupervisorConfig | None = None,
     ):
+        """``supervision``: how the worker is watched; :attr:`factory` (settable before the
+        worker starts) builds the drafter in a worker process (default: from the model specs)."""
         self.model_cfg = model_cfg
+        self.factory = DrafterFactory(model_cfg) if model_cfg is not None else None
         self.target_device = target_device
         self.drafter = drafter
         self.supervision = supervision
@@ -132,11 +135,11 @@ class DrafterHost:
         place = placement_for(cfg)
         if place.kind == "process" and self.model_cfg is not None:
             if self._cpu is None:
-                started = launch_process(cfg, place)
+                started = launch_process(cfg, place, self.factory)
                 assert started is not None
                 worker, self._cpu = started
                 return worker
-            return ProcessWorker(DrafterFactory(cfg), list(place.drafter_cores))
+            return ProcessWorker(self.factory, list(place.drafter_cores))
         return ThreadWorker(self.drafter) if self.drafter is not None else None
 
     def _close(self) -> None:

@@ -199,7 +199,7 @@ class Engine:
             self.host,
             self.target.vocab_size,
             max_len=self.block_size - 1,
-            link=self._link() if self.drafter is not None and mode != "sync" else None,
+            link=self._link() if self.drafter is not None and mode in ("async", "auto") else None,
             drafter=self.drafter,
             read_cost=self._read_cost(),
             copies=self._copies,
