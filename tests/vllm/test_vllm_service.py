@@ -1,0 +1,97 @@
+"""``d3d serve --engine vllm`` over real sockets (vLLM's CPU build, the embedded model and its
+drafter): the same routes as the own engine; answers in every mode equal ``ar``; ``/ready``
+reports the drafter worker; ``/metrics`` has vLLM's ``vllm:spec_decode_*`` counters beside the
+project's branch statistics; ``/qa`` answers with kept spans from a kept prompt equal to the own
+engine's."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.documents import Documents
+from app.settings import ServeSettings
+from d3d.config import ModelConfig
+from d3d.engine import Engine
+from tests.api.conftest import free_port, start
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+DOCUMENT = (
+    "The harbour town keeps its old lighthouse. " * 6
+    + "Marta keeps her blue bicycle in a shed behind the bakery in Prague. "
+    + "Ferries leave every hour for the islands. " * 8
+)
+QUESTION = "Where does Marta keep her bicycle?"
+
+
+@pytest.fixture(scope="module")
+def served():
+    settings = ServeSettings(
+        model=ModelConfig(), port=free_port(), engine="vllm", vllm_eager=True, max_batch=8
+    )
+    srv = start(settings)
+    yield srv
+    srv.stop()
+
+
+def samples(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def chat(url: str, mode: str) -> dict:
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "List the days of the week."}],
+        "max_tokens": 32,
+        "speculative": {"mode": mode},
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ready_reports_the_engine_and_the_drafter_worker(served):
+    r = httpx.get(served.url + "/ready", timeout=10).json()
+    assert r["status"] == "ready" and r["engine"] == "vllm"
+    w = r["drafter_worker"]
+    assert w["state"] == "up" and isinstance(w["pid"], int) and w["restarts"] == 0
+
+
+def test_every_mode_answers_as_ar_and_vllm_counts_the_drafts(served):
+    before = samples(served.url)
+    ref = chat(served.url, "ar")["choices"][0]["message"]["content"]
+    for mode in ("sync", "async", "auto"):
+        out = chat(served.url, mode)
+        assert out["choices"][0]["message"]["content"] == ref, mode
+        assert out["speculative"]["mode"] == mode
+    after = samples(served.url)
+    accepted = "vllm:spec_decode_num_accepted_tokens_total"
+    assert after[accepted] > before.get(accepted, 0.0)
+    assert after["d3d_spec_decode_num_drafts_total"] > before["d3d_spec_decode_num_drafts_total"]
+    assert after["d3d_drafter_worker_up"] == 1.0
+
+
+def test_qa_keeps_the_own_engines_prompt(served):
+    body = {
+        "document": DOCUMENT,
+        "question": QUESTION,
+        "keep_ratio": 0.2,
+        "max_new_tokens": 16,
+        "return_prompt": True,
+    }
+    r = httpx.post(served.url + "/qa", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["compression"]["kept_spans"], "kept spans of the document"
+    own = Documents(Engine.from_config(ModelConfig())).prepare(
+        DOCUMENT, QUESTION, 0.2, "auto", 8000
+    )
+    tok = Engine.from_config(ModelConfig(), with_drafter=False).tokenizer
+    assert got["prompt"] == tok.decode(own.prompt_ids, skip_special_tokens=False)
+    assert got["compression"]["kept_spans"] == own.info["kept_spans"]
