@@ -56,7 +56,10 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+async def one_request(
+    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, extra: dict | None = None
+) -> dict:
+    """One streaming greedy chat request (``extra``: more body fields, e.g. the mode)."""
     body = {
         "model": "default",
         "messages": [{"role": "user", "content": prompt}],
@@ -64,6 +67,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     t0 = time.perf_counter()
     ttft, text, usage, status = None, [], None, 0

@@ -3,7 +3,7 @@ engine serving concurrent requests, timed on a GPU.
 
 ``scripts/gpu_check.sh`` (``python -m d3d.tools.gpu_check --out gpu_check.json``) builds a
 random-weight target shaped by ``d3d/configs/qwen3-8b.json`` in bf16 directly on the GPU (no
-download, no tokenizer: token ids suffice), then runs two stages, each writing the JSON as it ends
+download, no tokenizer: token ids suffice), then runs three stages, each writing the JSON as it ends
 (so a run cut short keeps what it finished):
 
 1. **check** — after a cached context: a target decode step (1 token) and a 16-token verify
@@ -18,6 +18,10 @@ download, no tokenizer: token ids suffice), then runs two stages, each writing t
    concurrent requests per mode (``ar``, ``sync``, ``async``) through ``Scheduler.step()``:
    throughput, steps, verify times, acceptance, and the peak memory per device beside
    ``d3d plan``'s prediction (:mod:`d3d.tools.gpu_service`).
+3. **vllm** — the same target served by vLLM alone and by vLLM with the D3D proposer (its drafter
+   on the second GPU when there is one), 16 concurrent greedy requests per mode: throughput,
+   identity with vLLM alone, acceptance, branch hits, memory (:mod:`d3d.tools.gpu_vllm`; skipped
+   where vLLM is not installed).
 
 Every stage has a time limit inside ``--budget-s`` (the script's 8 minutes, less a margin).
 ``--tiny`` runs the same code on a small Qwen3-shaped model (on CPU if there is no GPU), which is
@@ -44,6 +48,7 @@ from d3d.model.drafter import D3DDrafter
 from d3d.model.hf import trim_cache, with_cache
 from d3d.model.memory import kv_bytes_per_token, param_bytes
 from d3d.tools.gpu_service import ServiceSettings, run_service, service_errors, service_table
+from d3d.tools.gpu_vllm import run_vllm, vllm_errors
 from d3d.tools.plan import CONFIGS
 from d3d.worker.drafting import draft_branches
 
@@ -58,7 +63,7 @@ TINY = dict(  # the same architecture, small enough for a CPU test
     max_window_layers=6,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=32,  # the smallest head vLLM's CPU attention takes (the vLLM stage)
     max_position_embeddings=4096,
     bos_token_id=0,
 )
@@ -291,6 +296,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="self:5", help="the engine's drafter spec")
     g.add_argument("--drafter-device", default=None, help="default: the target's device")
     g.add_argument("--stage-seconds", type=float, default=90.0, help="each mode's time limit")
+    v = p.add_argument_group("vLLM run (d3d.tools.gpu_vllm)")
+    v.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True)
     return p
 
 
@@ -371,6 +378,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         if args.service:
             stage("service", serve)
+
+        def vllm() -> dict:
+            got = run_vllm(target, args.requests, args.prompt_tokens, args.new_tokens,
+                           args.drafter, args.tiny, time_left)  # fmt: skip
+            res["errors"] += [f"vllm {e}" for e in vllm_errors(got)]
+            return {"vllm": got}
+
+        if args.vllm and time_left() > 60:
+            stage("vllm", vllm)
     print(_table(res))
     print(f"wrote {out}", file=sys.stderr)
     return 1 if res["errors"] else 0
