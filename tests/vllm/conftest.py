@@ -75,7 +75,7 @@ def start(cfg: ModelConfig, stats_path: str, **kw) -> Served:
     return Served(llm, StatsClient(stats_path))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def embedded(tmp_path_factory) -> Iterator[Served]:
     """The embedded SmolLM2-135M on vLLM with its shipped drafter."""
     sock = str(tmp_path_factory.mktemp("vllm") / "stats.sock")
