@@ -283,6 +283,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU works), for tests")
     p.add_argument("--device", default=None, help="cuda, cuda:N (default), or cpu with --tiny")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="the target's dtype (default bf16 on CUDA, fp32 on CPU; float32: greedy exactness "
+        "across batch shapes, which bf16 rounding does not promise)",
+    )
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--drafter-layers", default="5,31")
@@ -325,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     except CheckError as exc:
         print(f"gpu_check: error: {exc}", file=sys.stderr)
         return 2
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
     name, config = target_config(args.tiny)
     res: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
