@@ -3,7 +3,12 @@
 Routes submit a :class:`~app.worker.Job` and consume it through these helpers, which turn the
 worker's events into text (with stop strings), enforce the per-request timeout (504 before the
 answer starts), and cancel the job whenever the consumer goes away (client disconnect, timeout,
-a stop string): the engine then drops the row before its next round.
+a stop string): the engine then drops the rows before their next round.
+
+A job has ``n`` rows (choices). :meth:`Run.deltas` yields a :class:`Delta` per choice and event:
+its first tokens (``first``, even when their text is still held back, so a stream's first
+chunk leaves with the first token), later text and log-probabilities, and its end
+(``finish``).
 """
 
 from __future__ import annotations
@@ -19,29 +24,69 @@ from fastapi import Request
 from app.errors import ApiError
 from app.text import TextStream
 from app.worker import EngineWorker, Job, Prepared
+from d3d.decoding.sampling import TokenLogprob
+
+
+@dataclass
+class Choice:
+    """One row's answer: its text, why it ended, its decode statistics, its logprobs."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = "length"
+    stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
 class Outcome:
-    """A finished generation as the routes report it."""
+    """A finished generation as the routes report it (``text``, ``finish_reason`` and ``stats``
+    are the first choice's)."""
 
-    text: str = ""
-    finish_reason: str = "length"
-    stats: dict = field(default_factory=dict)
+    choices: list[Choice] = field(default_factory=lambda: [Choice(0)])
     prepared: Prepared | None = None
     queue_s: float = 0.0
     total_s: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+    @property
+    def stats(self) -> dict:
+        return self.choices[0].stats
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(int(c.stats.get("num_tokens", 0)) for c in self.choices)
+
+
+@dataclass
+class Delta:
+    """What one event adds to choice ``index``: text safe to send, the logprobs of the tokens
+    it carries, whether they are the choice's first, and its finish reason once it ended."""
+
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first: bool = False
+    finish: str | None = None
 
 
 class Run:
     """One submitted job with its deadline (see the module docstring)."""
 
-    def __init__(self, worker: EngineWorker, job: Job, stop=(), timeout: float = 300.0):
+    def __init__(self, worker: EngineWorker, job: Job, stop=(), timeout: float = 300.0, hidden=()):
+        """``stop``: stop strings; ``hidden``: ids kept out of the text (``stop_token_ids``)."""
         self.worker, self.job = worker, job
         self.deadline = time.perf_counter() + timeout
-        self.text = TextStream(worker.detokenizer, stop)
-        self.outcome = Outcome()
-        self._done = False
+        self.texts = [TextStream(worker.detokenizer, stop, hidden) for _ in range(job.n)]
+        self.outcome = Outcome([Choice(i) for i in range(job.n)])
+        self.started: set[int] = set()  # the choices whose first tokens came
 
     async def _next(self):
         left = self.deadline - time.perf_counter()
@@ -61,27 +106,19 @@ class Run:
         self.outcome.queue_s = self.job.dequeued - self.job.submitted
         return payload
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text as it becomes safe to send; ``outcome`` is complete when this ends."""
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Every choice's deltas as they become safe to send; ``outcome`` is complete when
+        this ends."""
+        left = set(range(self.job.n))
         try:
-            while True:
+            while left:
                 kind, payload = await self._next()
                 if kind == "tokens":
-                    delta = self.text.push(payload)
-                    if delta:
+                    if (delta := self._tokens(*payload)) is not None:
                         yield delta
-                    if self.text.stopped:
-                        self.job.cancel()
-                        self.outcome.finish_reason = "stop"
                 elif kind == "done":
-                    self.outcome.stats = payload
-                    if not self.text.stopped:
-                        tail = self.text.flush()
-                        if tail:
-                            yield tail
-                        reason = payload.get("stop_reason")
-                        self.outcome.finish_reason = "stop" if reason == "eos" else "length"
-                    break
+                    yield self._done(*payload)
+                    left.discard(payload[0])
                 else:
                     raise (
                         payload
@@ -89,9 +126,34 @@ class Run:
                         else ApiError(500, "internal error", kind="server_error")
                     )
         finally:
-            self.job.cancel()  # no-op when finished; stops the row when the consumer left early
-            self.outcome.text = self.text.text
+            self.job.cancel()  # no-op when finished; stops the rows when the consumer left early
+            for choice, text in zip(self.outcome.choices, self.texts, strict=True):
+                choice.text = text.text
             self.outcome.total_s = time.perf_counter() - self.job.submitted
+
+    def _tokens(self, i: int, ids: list[int], logprobs) -> Delta | None:
+        text, choice = self.texts[i], self.outcome.choices[i]
+        if text.stopped:
+            return None
+        delta = Delta(i, text.push(ids), list(logprobs or []), first=i not in self.started)
+        self.started.add(i)
+        choice.logprobs += delta.logprobs
+        if text.stopped:  # a stop string: this choice ends here (the others go on)
+            choice.finish_reason = "stop"
+            if self.job.n == 1:
+                self.job.cancel()
+            else:
+                self.job.reqs[i].cancel()
+        return delta
+
+    def _done(self, i: int, stats: dict) -> Delta:
+        text, choice = self.texts[i], self.outcome.choices[i]
+        choice.stats = stats
+        tail = ""
+        if not text.stopped:
+            tail = text.flush()
+            choice.finish_reason = "stop" if stats.get("stop_reason") == "eos" else "length"
+        return Delta(i, tail, finish=choice.finish_reason)
 
     async def collect(self, request: Request | None = None) -> Outcome:
         """Run to the end (non-streaming), cancelling if the client disconnects meanwhile."""

@@ -1,5 +1,9 @@
 """Request bodies: pydantic v2 models that refuse unknown fields and name the bad one.
 
+The OpenAI routes take vLLM's and OpenAI's sampling fields (:class:`VllmSampling`: penalties,
+``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``), ``n`` and
+``logprobs``; every other unknown field is refused with 422 naming it.
+
 Decoding modes are checked against :data:`d3d.config.MODES` (plus ``auto``) when a request
 arrives, not against a list written here, so a mode the library adds is served at once. Scorers
 are checked against compression's registry through :mod:`app.documents`.
@@ -101,7 +105,34 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class OpenAIRequest(Sampling, Compression):
+class VllmSampling(BaseModel):
+    """vLLM's sampling parameters (OpenAI's two penalties among them), with vLLM's meanings
+    (:class:`d3d.config.SamplingConfig`)."""
+
+    model_config = STRICT
+    top_k: int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1: off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top one")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0, description="> 1 discourages tokens of the prompt and output"
+    )
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    min_tokens: int = Field(0, ge=0, le=4096, description="no stop token before this many")
+    ignore_eos: bool = Field(False, description="EOS does not end the answer")
+    stop_token_ids: list[int] | None = Field(None, description="ids that end the answer")
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+
+MAX_N = 32
+
+
+class OpenAIRequest(Sampling, VllmSampling, Compression):
     """Fields common to chat and text completions (extras arrive through ``extra_body``)."""
 
     model: str
@@ -109,7 +140,7 @@ class OpenAIRequest(Sampling, Compression):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N, description="independent answers (choices)")
     user: str | None = None
     document: str | None = Field(None, description="extra: a document to compress and answer from")
 
@@ -130,6 +161,8 @@ class OpenAIRequest(Sampling, Compression):
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    logprobs: bool = Field(False, description="each answer token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="and that many alternatives")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
         description='variables for the chat template, as vLLM takes them: {"enable_thinking": '
@@ -146,6 +179,9 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str]
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="each token's log-probability and that many alternatives"
+    )
 
     @field_validator("prompt")
     @classmethod

@@ -4,7 +4,8 @@ Streaming clients must never see text that is later withdrawn. :class:`TextStrea
 whole id list at each push (answers are short; this keeps multi-token characters and
 tokenizer spacing right), holds back a trailing replacement character (an incomplete UTF-8
 sequence) and any tail that could still grow into a stop string, and on a stop string cuts the
-text before it and reports ``stopped``.
+text before it and reports ``stopped``. Ids in ``hidden`` (a request's ``stop_token_ids``, which
+end the answer as EOS does) never reach the text, as in vLLM.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections.abc import Sequence
 class TextStream:
     """Incremental detokeniser with stop strings (see the module docstring)."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), hidden: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.hidden = set(hidden)
         self.ids: list[int] = []
         self.sent = 0
         self.text = ""
@@ -37,7 +39,7 @@ class TextStream:
         """Add ids; return the text that is now safe to send."""
         if self.stopped:
             return ""
-        self.ids += list(ids)
+        self.ids += [i for i in ids if i not in self.hidden]
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         cuts = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
         if cuts:

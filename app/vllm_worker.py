@@ -42,6 +42,7 @@ from app.prepared import Prepared
 from app.settings import ServeSettings
 from app.worker import Job, Models, admit, build_prompt
 from d3d.config import SamplingConfig
+from d3d.decoding.sampling import TokenLogprob
 from d3d.model.memory import kv_bytes_per_token
 from d3d.vllm import VLLM_VERSION
 from d3d.vllm.engine import engine_args, prepare_env, speculative_config
@@ -53,22 +54,54 @@ log = logging.getLogger("app.vllm")
 STOP_REASONS = {"stop": "eos", "length": "length", "abort": "cancelled"}
 
 
-def sampling_params(sampling: SamplingConfig, max_tokens: int, eos: set[int], mode: str):
-    """vLLM's sampling parameters for a job: token deltas, no detokenizing (the service decodes
-    text itself), the target's end-of-sequence ids, the mode for the proposer."""
+def sampling_params(
+    sampling: SamplingConfig,
+    max_tokens: int,
+    eos: set[int],
+    mode: str,
+    n: int = 1,
+    logprobs: int | None = None,
+):
+    """vLLM's sampling parameters for a job: the same fields with the same meanings (vLLM's),
+    token deltas, no detokenizing (the service decodes text itself), the target's end ids as
+    stop ids unless ``ignore_eos``, the mode for the proposer."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    s = sampling
+    stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos))
     return SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
+        n=n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens,
+        ignore_eos=s.ignore_eos,
+        seed=s.seed,
         max_tokens=max_tokens,
-        stop_token_ids=sorted(eos),
+        stop_token_ids=sorted(stops),
+        logprobs=logprobs,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         extra_args={"d3d_mode": mode},
     )
+
+
+def token_logprobs(out, ids: list[int]) -> list[TokenLogprob]:
+    """vLLM's per-token logprob dicts as the service's :class:`TokenLogprob` (the emitted
+    token's log-probability and the most likely ones, best first)."""
+    result = []
+    for tok, entry in zip(ids, out.logprobs or [], strict=False):
+        top = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda x: -x[1])
+        own = entry.get(tok)
+        result.append(
+            TokenLogprob(tok, own.logprob if own is not None else float("-inf"), tuple(top))
+        )
+    return result
 
 
 class _Abort:
@@ -237,7 +270,7 @@ class VllmWorker:
         task = asyncio.get_running_loop().create_task(self._serve(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        job.req = _Abort(asyncio.get_running_loop(), task)
+        job.reqs = [_Abort(asyncio.get_running_loop(), task)]
 
     async def _serve(self, job: Job) -> None:
         loop = asyncio.get_running_loop()
@@ -253,26 +286,33 @@ class VllmWorker:
             job.admitted = time.perf_counter()
             job.put("prepared", prepared)
             rid = f"d3d-{next(self._ids)}-{os.getpid()}"
-            sp = sampling_params(job.sampling, job.max_new_tokens, self.eos, job.mode)
+            sp = sampling_params(
+                job.sampling, job.max_new_tokens, self.eos, job.mode, job.n, job.logprobs
+            )
             prompt = {"prompt_token_ids": prepared.prompt_ids}
-            t0, first_at, n, reason = time.perf_counter(), None, 0, "length"
+            t0, first_at = time.perf_counter(), None
+            counts, reasons = [0] * job.n, ["length"] * job.n
             async for out in self.llm.generate(prompt, sp, rid):
-                o = out.outputs[0]
-                if o.token_ids:
-                    if first_at is None:
-                        first_at = time.perf_counter()
-                        self.metrics.ttft.observe(first_at - job.submitted)
-                        self._waiting -= 1
-                        self._running += 1
-                        started = True
-                        self._gauges()
-                    n += len(o.token_ids)
-                    job.put("tokens", list(o.token_ids))
-                if out.finished:
-                    reason = STOP_REASONS.get(o.finish_reason or "", o.finish_reason or "length")
-            stats = self._stats(rid, job, len(prepared.prompt_ids), n, reason, t0, first_at)
-            self.metrics.observe_stats(stats)
-            job.put("done", stats)
+                for o in out.outputs:
+                    i, ids = o.index, list(o.token_ids)
+                    if ids:
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                            self.metrics.ttft.observe(first_at - job.submitted)
+                            self._waiting, self._running = self._waiting - 1, self._running + 1
+                            started = True
+                            self._gauges()
+                        counts[i] += len(ids)
+                        lps = token_logprobs(o, ids) if job.logprobs is not None else None
+                        job.put("tokens", (i, ids, lps))
+                    if o.finish_reason:
+                        reasons[i] = STOP_REASONS.get(o.finish_reason, o.finish_reason)
+            for i in range(job.n):
+                stats = self._stats(
+                    rid, job, len(prepared.prompt_ids), counts[i], reasons[i], t0, first_at
+                )
+                self.metrics.observe_stats(stats if i == 0 else {**stats, "prompt_tokens": 0})
+                job.put("done", (i, stats))
         except asyncio.CancelledError:
             pass  # the client left or timed out: vLLM aborted the request
         except ValueError as exc:  # vLLM refuses the request (e.g. longer than its window)

@@ -11,8 +11,10 @@ compresses documents (its reader model is not the target: an int8 copy or the dr
 tokenizer of its own, so a document being read never stalls the rows that are decoding; on a
 host where the drafter has a device or core of its own, that is where this reading belongs.
 
-Results flow back to the job's asyncio queue with ``call_soon_threadsafe``. Cancelling a job
-(client gone, timeout) drops its row before the next step. A request the KV budget can never
+Results flow back to the job's asyncio queue with ``call_soon_threadsafe``: ``("tokens", (i,
+ids, logprobs))`` and ``("done", (i, stats))`` for each of the job's ``n`` rows (``n`` > 1:
+independent samples of one prompt, read once through the prefix cache, row i seeded with
+``seed + i``). Cancelling a job (client gone, timeout) drops its rows before the next step. A request the KV budget can never
 hold is refused with 413 naming the limit; one that does not fit now waits for running rows.
 """
 
@@ -25,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from app.errors import ApiError
 from app.metrics import Metrics
@@ -67,20 +70,25 @@ class Job:
         max_new_tokens: int,
         sampling: SamplingConfig,
         mode: str,
+        n: int = 1,
+        logprobs: int | None = None,
     ):
+        """``n`` rows of the prompt; ``logprobs``: each token's log-probability and that many
+        alternatives (None: none)."""
         self.prepare, self.max_new_tokens, self.sampling, self.mode = (
             prepare,
             max_new_tokens,
             sampling,
             mode,
         )
+        self.n, self.logprobs = n, logprobs
         self.reads_document = bool(getattr(prepare, "reads_document", False))
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.submitted = time.perf_counter()
         self.dequeued = 0.0  # the worker took it (queue time ends, prompt building starts)
         self.admitted = 0.0  # its prompt joined the engine's waiting list
-        self.req: GenRequest | None = None
+        self.reqs: list[GenRequest] = []
         self.first = False
         self._cancelled = threading.Event()
 
@@ -89,8 +97,8 @@ class Job:
 
     def cancel(self) -> None:
         self._cancelled.set()
-        if self.req is not None:
-            self.req.cancel()
+        for req in self.reqs:
+            req.cancel()
 
     @property
     def cancelled(self) -> bool:
@@ -230,6 +238,7 @@ class EngineWorker:
             "dtype": str(p.dtype).replace("torch.", ""),
             "parameters": sum(x.numel() for x in model.parameters()),
             "window": self.batch.window,
+            "vocab_size": engine.target.vocab_size,
             "drafter": None if drafter is None else self.settings.model.drafter,
             "drafter_device": None if drafter is None else str(drafter.device),
             "block_size": self.batch.block_size,
@@ -342,43 +351,62 @@ class EngineWorker:
         return build_prompt(job, self.models)
 
     def _admit(self, job: Job, prepared: Prepared) -> None:
-        """Add a prepared job to the engine (engine thread only)."""
+        """Add a prepared job's rows to the engine (engine thread only)."""
         if job.cancelled:
             return
-        req = GenRequest(
-            prepared.prompt_ids,
-            max_new_tokens=job.max_new_tokens,
-            sampling=job.sampling,
-            mode=job.mode,
-            shared_prefix=prepared.shared_prefix,
-            copy=self.settings.copy,
-            on_tokens=lambda ids: self._on_tokens(job, ids),
-            on_finish=lambda stats, err: self._on_finish(job, stats, err),
-        )
+        # n rows of one prompt read it once: the first reads it into the prefix cache, the
+        # others copy it (d3d.engine.prefixes).
+        shared = prepared.shared_prefix or (len(prepared.prompt_ids) - 1 if job.n > 1 else 0)
+        reqs = [self._request(job, prepared, i, shared) for i in range(job.n)]
         try:
-            self.batch.add(req)
+            self.batch.check(reqs[0])  # the rows are alike: all fit or none does
         except KvLimitError as exc:
             job.put("error", ApiError(413, str(exc), "max_new_tokens", kind="kv_limit"))
             return
         except ValueError as exc:
             job.put("error", ApiError(400, str(exc)))
             return
-        job.req = req
+        job.reqs = reqs
+        for req in reqs:
+            self.batch.add(req)
         job.admitted = time.perf_counter()
         if job.cancelled:
-            req.cancel()
+            job.cancel()
         job.put("prepared", prepared)
 
-    def _on_tokens(self, job: Job, ids: list[int]) -> None:
+    def _request(self, job: Job, prepared: Prepared, i: int, shared: int) -> GenRequest:
+        """Row ``i`` of a job (seeded ``seed + i``: the rows are independent samples)."""
+        sampling = job.sampling
+        if i and sampling.seed is not None:
+            sampling = replace(sampling, seed=sampling.seed + i)
+        pending: list = []  # the chunk's logprobs, which arrive just before its tokens
+
+        def on_tokens(ids: list[int]) -> None:
+            self._on_tokens(job, i, ids, pending.pop() if pending else None)
+
+        return GenRequest(
+            prepared.prompt_ids,
+            max_new_tokens=job.max_new_tokens,
+            sampling=sampling,
+            mode=job.mode,
+            shared_prefix=shared,
+            copy=self.settings.copy,
+            on_tokens=on_tokens,
+            on_finish=lambda stats, err: self._on_finish(job, i, stats, err),
+            logprobs=job.logprobs,
+            on_logprobs=pending.append if job.logprobs is not None else None,
+        )
+
+    def _on_tokens(self, job: Job, i: int, ids: list[int], logprobs) -> None:
         if not job.first:
             job.first = True
             self.metrics.ttft.observe(time.perf_counter() - job.submitted)
-        job.put("tokens", ids)
+        job.put("tokens", (i, ids, logprobs))
 
-    def _on_finish(self, job: Job, stats, error: BaseException | None) -> None:
+    def _on_finish(self, job: Job, i: int, stats, error: BaseException | None) -> None:
         d = stats.to_dict()
-        self.metrics.observe_stats(d)
-        job.put("error" if error is not None else "done", error if error is not None else d)
+        self.metrics.observe_stats(d if i == 0 else {**d, "prompt_tokens": 0})  # one prompt
+        job.put("error" if error is not None else "done", error if error is not None else (i, d))
 
 
 def _ms(seconds: float | None) -> float | None:

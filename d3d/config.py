@@ -29,20 +29,70 @@ def _check(cond: bool, name: str, message: str) -> None:
 class SamplingConfig:
     """How the target's next-token distribution is turned into tokens.
 
-    ``temperature == 0`` is greedy decoding (the argmax; ``top_p`` and ``seed`` are ignored).
+    ``temperature == 0`` is greedy decoding (the argmax of the processed logits; ``top_p``,
+    ``top_k``, ``min_p`` and ``seed`` are ignored). The rest are vLLM's sampling parameters with
+    vLLM's meanings:
+
+    - penalties on the logits, from the row's history (:mod:`d3d.decoding.processors`):
+      ``repetition_penalty`` (> 1 discourages every token of the prompt or the output so far),
+      ``presence_penalty`` / ``frequency_penalty`` (subtracted once / per occurrence in the
+      output so far);
+    - truncation of the distribution after the temperature (:func:`~d3d.decoding.sampling.
+      probabilities`): ``min_p`` (drop tokens below ``min_p`` times the most likely one's
+      probability), ``top_k`` (0: off), ``top_p``;
+    - stopping: ``stop_token_ids`` end the row like EOS; ``ignore_eos`` lets EOS through as an
+      ordinary token; ``min_tokens``: no stop token (EOS included) before that many tokens.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0 (0: off), got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be token ids >= 0, got {list(self.stop_token_ids)}",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits depend on the row's history (a penalty is set)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def stops(self, eos_ids: set[int]) -> set[int]:
+        """The ids that end a row: the model's EOS ids (unless ``ignore_eos``) and
+        ``stop_token_ids``."""
+        return (set() if self.ignore_eos else set(eos_ids)) | set(self.stop_token_ids)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import secrets
 from fastapi import Request
 
 from app.errors import ApiError
-from app.schemas import Sampling
+from app.schemas import Sampling, VllmSampling
 from d3d.config import SamplingConfig
 
 TIMING_KEYS = ("prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds")
@@ -32,7 +32,13 @@ def require_key(request: Request) -> None:
 
 
 def sampling(body: Sampling) -> SamplingConfig:
-    return SamplingConfig(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+    """The request's sampling settings (vLLM's fields too where the route takes them)."""
+    extra: dict = {}
+    if isinstance(body, VllmSampling):
+        extra = body.model_dump(include=set(VllmSampling.model_fields))
+        extra["top_k"] = max(extra["top_k"], 0)  # vLLM's -1 is off, as 0 is
+        extra["stop_token_ids"] = tuple(extra["stop_token_ids"] or ())
+    return SamplingConfig(temperature=body.temperature, top_p=body.top_p, seed=body.seed, **extra)
 
 
 def speculative_view(stats: dict) -> dict:

@@ -2,7 +2,10 @@
 
 Shaped so the official OpenAI SDK works unchanged: the same bodies, ``stream=True`` as SSE
 chunks ending in ``data: [DONE]``, a final usage chunk with ``stream_options.include_usage``,
-``stop`` strings, ``seed``. Extras through ``extra_body``: ``speculative: {mode}``,
+``stop`` strings, ``seed``, ``n`` choices, ``logprobs``, and vLLM's sampling fields
+(:class:`~app.schemas.VllmSampling`: penalties, ``top_k``, ``min_p``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``), so vLLM's benchmark client runs against it. A stream's
+first chunk leaves with the first token (:mod:`app.routes.openai_format`). Extras through ``extra_body``: ``speculative: {mode}``,
 ``keep_ratio`` / ``scorer`` and ``document``. With a ``document`` (or with ``keep_ratio`` and a
 system message, which is then taken as the document), the request is answered like ``/qa``:
 the document compressed for the last user message (or the prompt), in the QA template.
@@ -26,7 +29,7 @@ from fastapi.responses import StreamingResponse
 
 from app import prompts, reasoning
 from app.errors import ApiError, request_id
-from app.generation import Run
+from app.generation import Outcome, Run
 from app.routes.common import (
     SSE_DONE,
     SSE_HEADERS,
@@ -37,6 +40,7 @@ from app.routes.common import (
     sse,
     usage,
 )
+from app.routes.openai_format import Shape
 from app.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from app.worker import Job
 
@@ -76,36 +80,53 @@ def _document_prepare(
     )
 
 
+def _logprobs(body: OpenAIRequest, chat: bool) -> int | None:
+    """How many alternatives each token's logprob comes with (None: no logprobs)."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(422, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
+
+
+def _check_sampling(request: Request, body: OpenAIRequest, max_tokens: int) -> None:
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            422, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens"
+        )
+    vocab = (request.app.state.worker.model_info or {}).get("vocab_size")
+    if vocab and any(t >= vocab for t in body.stop_token_ids or ()):
+        raise ApiError(422, f"stop_token_ids: ids must be < {vocab}", "stop_token_ids")
+
+
 async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int | None, chat: bool):
     state = request.app.state
-    job = Job(prepare, max_tokens or DEFAULT_MAX_TOKENS, sampling(body), body.speculative.mode)
-    run = Run(state.worker, job, stop=body.stops, timeout=state.settings.request_timeout)
+    max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+    _check_sampling(request, body, max_tokens)
+    top = _logprobs(body, chat)
+    cfg = sampling(body)
+    job = Job(prepare, max_tokens, cfg, body.speculative.mode, n=body.n, logprobs=top)
+    timeout = state.settings.request_timeout
+    run = Run(state.worker, job, body.stops, timeout, hidden=cfg.stop_token_ids)
     prepared = await run.start()
+    tok = state.worker.detokenizer
     # Chat only: the thinking goes apart from the answer where the model has think tags.
-    splitter = (
-        reasoning.splitter_for(state.worker.detokenizer, prepared.prompt_ids) if chat else None
-    )
+    splitters = [
+        reasoning.splitter_for(tok, prepared.prompt_ids) if chat else None for _ in range(body.n)
+    ]
+    shape = Shape(chat, tok, top is not None, splitters)
     prefix = "chatcmpl" if chat else "cmpl"
     rid, created, model = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_name
     obj = "chat.completion" if chat else "text_completion"
     if not body.stream:
         out = await run.collect(request)
-        choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-            if splitter is not None:
-                split = splitter.push(out.text) + splitter.flush()
-                choice["message"]["content"] = split.content
-                choice["message"]["reasoning_content"] = split.reasoning or None
-        else:
-            choice["text"] = out.text
         result = {
             "id": rid,
             "object": obj,
             "created": created,
             "model": model,
-            "choices": [choice],
-            "usage": usage(out.stats),
+            "choices": shape.choices(out.choices),
+            "usage": _usage(out),
             "speculative": speculative_view(out.stats),
         }
         if prepared.info:
@@ -113,57 +134,29 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
         return result
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(
-        delta: str | None, finish: str | None = None, role: bool = False, thinking: str = ""
-    ) -> dict:
-        if chat:
-            d: dict = {}
-            if role:
-                d["role"] = "assistant"
-            if thinking:
-                d["reasoning_content"] = thinking
-            if delta is not None:
-                d["content"] = delta
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        out = {"id": rid, "object": chunk_obj, "created": created, "model": model}
-        out["choices"] = [choice]
-        if include_usage:
-            out["usage"] = None
-        return out
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else obj}
+    head |= {"created": created, "model": model}
 
     async def events():
         try:
-            if chat:
-                yield sse(chunk("", role=True))
             async for delta in run.deltas():
-                if splitter is None:
-                    yield sse(chunk(delta))
-                elif split := splitter.push(delta):
-                    yield sse(chunk(split.content or None, thinking=split.reasoning))
-            if splitter is not None and (split := splitter.flush()):
-                yield sse(chunk(split.content or None, thinking=split.reasoning))
-            yield sse(chunk(None if chat else "", run.outcome.finish_reason))
+                for choice in shape.chunks(delta):
+                    yield sse(
+                        {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+                    )
             if include_usage:
-                yield sse(
-                    {
-                        "id": rid,
-                        "object": chunk_obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": usage(run.outcome.stats),
-                    }
-                )
+                yield sse({**head, "choices": [], "usage": _usage(run.outcome)})
         except Exception as exc:  # mid-stream: the status is already sent
             log.info("request %s: stream ended by %r", request_id(request), exc)
             yield sse(error_payload(exc, request_id(request)))
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _usage(out: Outcome) -> dict:
+    """Usage over every choice (the prompt counted once)."""
+    return usage({**out.stats, "num_tokens": out.completion_tokens})
 
 
 @router.post("/chat/completions", dependencies=[Depends(require_key)])

@@ -189,7 +189,8 @@ async def qa(request: Request):
         )
         try:
             async for delta in run.deltas():
-                yield sse({"type": "delta", "text": delta})
+                if delta.text:
+                    yield sse({"type": "delta", "text": delta.text})
             yield sse({"type": "done", **response(rid, run.outcome, model)})
         except Exception as exc:  # mid-stream: the status is already sent
             log.info("request %s: stream ended by %r", request_id(request), exc)

@@ -13,6 +13,11 @@ miss, the bonus when every draft token passes), which is what makes the output l
   target's distribution exactly. A deterministic draft (a copy of the request's own text) has a
   one-hot q.
 
+The target's logits are processed first when the row's history shapes them (penalties,
+``min_tokens``: :class:`d3d.decoding.processors.History`), each position with its own history,
+drafts included; greedy and sampled acceptance both read the processed logits, and the emitted
+tokens' log-probabilities, when asked for, are read from the same distributions.
+
 :func:`accept` is the one place a round's logits become committed tokens, for every mode and
 every row of a batch.
 
@@ -26,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from d3d.config import SamplingConfig
-from d3d.decoding.sampling import probabilities
+from d3d.decoding.processors import History
+from d3d.decoding.sampling import TokenLogprob, log_distribution, probabilities, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,12 @@ class Acceptance:
     """Outcome of one verification round.
 
     ``tokens`` holds the accepted draft tokens followed by the target's own token, so
-    ``len(tokens) == num_accepted + 1``.
+    ``len(tokens) == num_accepted + 1``; ``logprobs`` (when asked for) one per token.
     """
 
     num_accepted: int
     tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def num_emitted(self) -> int:
@@ -83,7 +90,7 @@ def stochastic_accept(
     """Exact speculative sampling for one round.
 
     draft: [K] ids sampled from q; q: [K, V] drafter probabilities; p: [K+1, V] target
-    probabilities (after temperature / top-p). All on one device.
+    probabilities (processed: penalties, temperature, truncation). All on one device.
     """
     k = draft.shape[0]
     if p.shape[0] != k + 1 or q.shape[0] != k:
@@ -116,13 +123,23 @@ def accept(
     q: torch.Tensor | None,
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
+    history: History | None = None,
+    logprobs: int | None = None,
 ) -> Acceptance:
     """One round of one row: the target's logits [K+1, V] over ``[anchor, d_1..d_K]``, the
     draft [K] and its q [K, V] (None: a deterministic draft, one-hot; ignored when greedy).
-    K = 0 is a plain step: the target's own token."""
+    K = 0 is a plain step: the target's own token. ``history``: the row's, when penalties or
+    ``min_tokens`` apply; ``logprobs``: report each emitted token's log-probability and that
+    many alternatives (None: none)."""
     d = draft.to(logits.device)
+    x = history.apply(logits, d) if history is not None else logits
     if sampling.greedy:
-        return greedy_accept(d, logits.argmax(dim=-1))
-    p = probabilities(logits, sampling)
-    q = one_hot_q(d, p.shape[-1]) if q is None else q.to(p.device, p.dtype)
-    return stochastic_accept(d, q, p, generator)
+        acc = greedy_accept(d, x.argmax(dim=-1))
+    else:
+        p = probabilities(x, sampling)
+        q = one_hot_q(d, p.shape[-1]) if q is None else q.to(p.device, p.dtype)
+        acc = stochastic_accept(d, q, p, generator)
+    if logprobs is None:
+        return acc
+    logp = log_distribution(x[: acc.num_emitted], sampling)
+    return Acceptance(acc.num_accepted, acc.tokens, token_logprobs(logp, acc.tokens, logprobs))

@@ -2,7 +2,9 @@
 
 A :class:`GenRequest` carries token ids in and two callbacks out: ``on_tokens`` with every chunk
 of committed tokens (called on the engine's thread, between steps) and ``on_finish`` once, with
-the request's :class:`~d3d.decoding.stats.DecodeStats` and the error that ended it, if any. ``cancel()``
+the request's :class:`~d3d.decoding.stats.DecodeStats` and the error that ended it, if any. A
+request that asks for ``logprobs`` also gets ``on_logprobs`` with each chunk's log-probabilities,
+just before ``on_tokens`` with the same chunk. ``cancel()``
 may be called from any thread; the scheduler drops the row before its next step.
 """
 
@@ -16,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.config import DecodeConfig, SamplingConfig
+from d3d.decoding.processors import History
 from d3d.decoding.proposers import Proposal, Proposer
+from d3d.decoding.sampling import TokenLogprob
 from d3d.decoding.stats import DecodeStats
 from d3d.engine.kv import KvRow
 
@@ -39,7 +43,8 @@ class GenRequest:
     ``draft_prompt_ids``: what the drafter reads as the prompt when it differs from the
     target's (the whole document, while the target reads the kept part); ``copy``: ``auto``
     may verify copies of the request's own text; ``stats``: where the scheduler keeps the
-    request's figures (a caller that wants to read them live passes its own).
+    request's figures (a caller that wants to read them live passes its own); ``logprobs``:
+    report each token's log-probability and that many alternatives (None: none).
     """
 
     prompt_ids: list[int]
@@ -52,6 +57,8 @@ class GenRequest:
     stats: DecodeStats | None = None  # filled in as the request runs (None: the engine makes one)
     on_tokens: Callable[[list[int]], None] = _noop_tokens
     on_finish: Callable[[DecodeStats, BaseException | None], None] = _noop_finish
+    logprobs: int | None = None
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -92,7 +99,8 @@ class Row:
 
     Invariant (every mode): once the prompt is read, the KV holds ``tokens`` except the last
     one, which is the anchor of the next round, and the last token of every round comes from
-    the target.
+    the target. ``stops``: the ids that end it; ``history``: what its penalties read (None
+    when its logits depend on no history).
     """
 
     req: GenRequest
@@ -106,6 +114,8 @@ class Row:
     first_token_at: float = 0.0
     proposal: Proposal | None = None
     prefix_key: str = ""  # the prefix cache's key of the shared prefix ("" until asked)
+    stops: set[int] = field(default_factory=set)
+    history: History | None = None
 
     @property
     def decoding(self) -> bool:

@@ -9,8 +9,9 @@ loop. One step reads as the algorithm::
                row's own text, or whichever of these auto's policy says pays
     verify     ONE target forward over every decoding row's [anchor, d_1..d_K], and the next
                chunks of the prompts being read
-    accept     :func:`d3d.decoding.verify.accept` per row; the KV keeps the anchor and the accepted drafts
-               (rollback = not committing the rest)
+    accept     :func:`d3d.decoding.verify.accept` per row (its logits processed with the row's
+               history where penalties apply, each position with its own); the KV keeps the
+               anchor and the accepted drafts (rollback = not committing the rest)
     emit       tokens out; the proposers are told what was committed, and the worker gets every
                row's commit in one message, so it drafts step t+1 while the target verifies it
 
@@ -39,8 +40,9 @@ import torch
 
 from d3d.decoding.clock import WALL, Clock
 from d3d.decoding.costs import LinearCost, batch_prices
-from d3d.decoding.proposers import Proposal, Proposer
-from d3d.decoding.sampling import make_generator, pick
+from d3d.decoding.processors import History
+from d3d.decoding.proposers import NO_DRAFT, Proposal, Proposer
+from d3d.decoding.sampling import TokenLogprob, make_generator
 from d3d.decoding.stats import DecodeStats, Round
 from d3d.decoding.verify import Acceptance, accept
 from d3d.engine.kv import KvLimitError
@@ -196,6 +198,8 @@ class Scheduler:
                 req.on_finish(stats, exc)
                 continue
             row = Row(req, self.kv.open(self.need(req)), proposer, stats, gen, list(req.prompt_ids))
+            row.stops = req.sampling.stops(self.eos_ids)
+            row.history = History.of(req.sampling, req.prompt_ids, row.stops)
             self.rows.append(row)
             self.prefixes.reuse(row)
 
@@ -259,7 +263,7 @@ class Scheduler:
         """Accept every row's round, then commit, tell its proposer, emit and record it.
         ``shared``: prompt chunks rode in the forward too, so its time is no row's own."""
         accs = [
-            accept(lg, p.tokens, p.q, r.req.sampling, r.generator)
+            self._round(r, lg, p.tokens, p.q)
             for r, p, lg in zip(rows, proposals, logits, strict=True)
         ]
         step_s = self.clock.now() - t0  # waits for blocks + the forward + acceptance
@@ -272,7 +276,7 @@ class Scheduler:
             # A round in a wider forward (or beside a prompt) did not pay for it alone.
             own = p.k + 1 == width and not shared
             row.proposer.observe(acc, seconds if own else None)
-            emitted = self._emit(row, acc.tokens)
+            emitted = self._emit(row, acc.tokens, acc.logprobs)
             row.stats.record(
                 Round(
                     emitted,
@@ -288,6 +292,14 @@ class Scheduler:
                     step_s=step_s if hit_step and not shared else 0.0,
                 )
             )
+
+    @staticmethod
+    def _round(
+        row: Row, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None
+    ) -> Acceptance:
+        """A row's acceptance of one round: logits [K+1, V], draft [K], q [K, V] or None."""
+        req = row.req
+        return accept(logits, draft, q, req.sampling, row.generator, row.history, req.logprobs)
 
     # -- reading prompts -----------------------------------------------------------------------
     def _chunks(self, rows: Sequence[Row], decode_tokens: int) -> list[tuple[Row, int]]:
@@ -314,21 +326,27 @@ class Scheduler:
         prompt's time with a cached prefix priced like the rest)."""
         st = row.stats
         st.prefill_seconds = row.prefill_s
-        first = pick(logits, row.req.sampling, row.generator)
+        acc = self._round(row, logits[None], NO_DRAFT.tokens, None)
         prompt = len(row.req.prompt_ids)
         encoded = max(prompt - st.cached_prompt_tokens, 1)
-        row.proposer.observe(Acceptance(0, [first]), row.prefill_s * prompt / encoded)
+        row.proposer.observe(Acceptance(0, acc.tokens), row.prefill_s * prompt / encoded)
         row.first_token_at = self.clock.now()
-        self._emit(row, [first])
+        self._emit(row, acc.tokens, acc.logprobs)
 
     # -- output and bookkeeping ----------------------------------------------------------------
-    def _emit(self, row: Row, tokens: list[int]) -> list[int]:
-        st = row.stats
-        tokens, reason = clip(tokens, self.eos_ids, row.req.max_new_tokens - st.num_tokens)
+    def _emit(
+        self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> list[int]:
+        st, req = row.stats, row.req
+        tokens, reason = clip(tokens, row.stops, req.max_new_tokens - st.num_tokens)
         row.tokens += tokens
         st.num_tokens += len(tokens)
         st.decode_seconds = self.clock.now() - row.first_token_at
-        row.req.on_tokens(tokens)
+        if row.history is not None:
+            row.history.commit(tokens)
+        if logprobs is not None and req.on_logprobs is not None:
+            req.on_logprobs(logprobs[: len(tokens)])
+        req.on_tokens(tokens)
         if reason:
             st.stop_reason = reason
         return tokens
@@ -360,10 +378,11 @@ class Scheduler:
         self.prefixes.encode(ids)
 
 
-def clip(tokens: list[int], eos_ids: set[int], room: int) -> tuple[list[int], str]:
-    """Cut a round's tokens at the first EOS (kept) or at the token budget."""
+def clip(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], str]:
+    """Cut a round's tokens at the first stop id (kept: EOS or a request's stop token) or at the
+    token budget."""
     for i, t in enumerate(tokens[:room]):
-        if t in eos_ids:
+        if t in stops:
             return tokens[: i + 1], "eos"
     if len(tokens) >= room:
         return tokens[:room], "length"

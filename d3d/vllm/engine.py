@@ -63,6 +63,7 @@ def engine_args(
         "max_num_seqs": max_batch,
         "enforce_eager": eager,
         "disable_log_stats": False,
+        "logprobs_mode": "processed_logprobs",  # logprobs of the distribution sampled from
     }
     if max_model_len:
         args["max_model_len"] = max_model_len

@@ -153,7 +153,7 @@ def test_prompt_longer_than_the_window(live):
     ("change", "status", "param"),
     [
         ({"model": "gpt-9"}, 404, "model"),
-        ({"n": 2}, 422, "n"),
+        ({"n": 0}, 422, "n"),
         ({"messages": []}, 422, "messages"),
         ({"temperature": "hot"}, 422, "temperature"),
         ({"logit_bias": {}}, 422, "logit_bias"),
