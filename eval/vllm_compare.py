@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -39,16 +38,12 @@ from pathlib import Path
 
 import httpx
 
+from eval.field_bench import VLLM_ENV
+from eval.field_bench import vllm_server as field_vllm
 from eval.longbench.messy import messy_document
 from eval.serve_load import PROMPTS, one_request, percentile, served, wait_ready
 
 CONFIGS = ("own", "vllm", "ngram", "d3d-sync", "d3d-async", "d3d-auto")
-CPU_ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "OMP_NUM_THREADS": "2",
-    "VLLM_CPU_KVCACHE_SPACE": "4",
-}
 NGRAM = {
     "method": "ngram",
     "num_speculative_tokens": 15,
@@ -67,43 +62,15 @@ def long_prompts(n: int, words: int = 1500) -> list[str]:
 
 @contextlib.contextmanager
 def vllm_server(port: int, log: Path, speculative: dict | None = None) -> Iterator[str]:
-    """vLLM's own OpenAI server on the embedded model's folder (both cores)."""
+    """vLLM's own OpenAI server on the embedded model's folder (both cores;
+    :func:`eval.field_bench.vllm_server`), up to 64 sequences at once."""
     from d3d.model.load import embedded_default_dir
 
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--port",
-        str(port),
-        "--model",
-        str(embedded_default_dir()),
-        "--served-model-name",
-        "default",
-        "--dtype",
-        "float32",
-        "--max-num-seqs",
-        "64",
-    ]
+    extra = ["--max-num-seqs", "64"]
     if speculative:
-        args += ["--speculative-config", json.dumps(speculative)]
-    env = {**os.environ, **CPU_ENV}
-    with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.time() + 900
-            while time.time() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited with {proc.returncode} (see {log})")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                time.sleep(1)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        extra += ["--speculative-config", json.dumps(speculative)]
+    with field_vllm(port, embedded_default_dir(), log, extra=extra) as url:
+        yield url
 
 
 async def level(
@@ -292,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             run("ngram", url)
     d3d_modes = [c for c in configs if c.startswith("d3d-")]
     if d3d_modes or args.repeats:
-        os.environ.update(CPU_ENV)
+        os.environ.update(VLLM_ENV)
         with served([*d3d_flags, "--engine", "vllm"], args.port + 3, out / "d3d-vllm.log") as srv:
             for name in d3d_modes:
                 run(name, srv.url, name.removeprefix("d3d-"))

@@ -98,6 +98,7 @@ class RequestRows:
         self.last_width = 0  # tokens the last step verified (1 + drafts per decoding row)
         self.last_prompts = False  # the last step also read prompts
         self.resyncs = 0
+        self.reading: dict[str, float] = {}  # rows reading their prompt: when first seen
 
     # ----- one step ---------------------------------------------------------------------------
     def step(self, rows: Sequence[RowView]) -> list[list[int]]:
@@ -111,7 +112,10 @@ class RequestRows:
         decoding = sum(1 for r in rows if r.sampled and r.mode != "ar")
         own_s = step_s if decoding == 1 and not self.last_prompts and len(rows) == 1 else None
         for i, r in enumerate(rows):
-            if not r.sampled or r.mode == "ar":
+            if r.mode == "ar":
+                continue
+            if not r.sampled:  # a prompt chunk: its reading began at the step before this call
+                self.reading.setdefault(r.req_id, self.last_end or now)
                 continue
             req = self.live.get(r.req_id)
             if req is not None and self._continues(req, r):
@@ -121,7 +125,8 @@ class RequestRows:
                     self.resyncs += 1
                     log.info("request %s: tokens out of step, proposer resynchronised", r.req_id)
                     self._close(r.req_id, keep=False)
-                req = self._open(r)
+                began = self.reading.pop(r.req_id, None)
+                req = self._open(r, now - began if began is not None else step_s)
             req.length = len(r.context)
             active.append((i, r, req))
         self.flush()
@@ -138,6 +143,8 @@ class RequestRows:
         seen = {r.req_id for r in rows}
         for rid in [rid for rid in self.live if rid not in seen]:
             self._close(rid, keep=True)
+        for rid in [rid for rid in self.reading if rid not in seen]:
+            del self.reading[rid]
         self.last_width = sum(1 + len(d) for d in out if d) + sum(
             1 for (r, d) in zip(rows, out, strict=True) if r.sampled and not d
         )
@@ -153,13 +160,14 @@ class RequestRows:
             return False
         return list(r.context[req.length :]) == list(r.sampled)
 
-    def _open(self, r: RowView) -> _Request:
+    def _open(self, r: RowView, read_s: float | None) -> _Request:
         """Start a proposer from the row's ids: all but the last are its prompt, the last is
-        round 0's token (the prefill's)."""
+        round 0's token (the prefill's, which took ``read_s``: the steps since the row first
+        showed, or the last step; other rows' work in them included, so it errs high)."""
         ctx = list(r.context)
         proposer = self.make(r.mode, r.budget)
         proposer.start(ctx[:-1], GREEDY, None)
-        proposer.observe(Acceptance(0, [ctx[-1]]), None)
+        proposer.observe(Acceptance(0, [ctx[-1]]), read_s)
         stats = DecodeStats(mode=r.mode, prompt_tokens=len(ctx) - 1)
         self.live[r.req_id] = req = _Request(proposer, len(ctx), stats)
         return req

@@ -6,6 +6,12 @@ engine's."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -95,3 +101,53 @@ def test_qa_keeps_the_own_engines_prompt(served):
     tok = Engine.from_config(ModelConfig(), with_drafter=False).tokenizer
     assert got["prompt"] == tok.decode(own.prompt_ids, skip_special_tokens=False)
     assert got["compression"]["kept_spans"] == own.info["kept_spans"]
+
+
+def test_the_drafter_killed_under_eight_clients_costs_no_answer(served):
+    """``kill -9`` of the pid ``/ready`` reports while eight streaming async requests run: every
+    answer as alone, the server ready throughout, the worker back with a new pid."""
+    prompts = [f"Count from {i} to {i + 12}, one number a line." for i in range(8)]
+
+    def body(p: str, stream: bool) -> dict:
+        return {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": p}],
+            "max_tokens": 24,
+            "stream": stream,
+            "speculative": {"mode": "async"},
+        }
+
+    alone = [
+        httpx.post(served.url + "/v1/chat/completions", json=body(p, False), timeout=300).json()[
+            "choices"
+        ][0]["message"]["content"]
+        for p in prompts
+    ]
+    first = httpx.get(served.url + "/ready", timeout=10).json()["drafter_worker"]
+
+    async def one(client: httpx.AsyncClient, p: str, kill: bool) -> str:
+        text = ""
+        async with client.stream(
+            "POST", served.url + "/v1/chat/completions", json=body(p, True)
+        ) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                    if kill and text:
+                        os.kill(first["pid"], signal.SIGKILL)
+                        kill = False
+        return text
+
+    async def all_of_them() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, p, i == 0) for i, p in enumerate(prompts)))
+
+    assert asyncio.run(all_of_them()) == alone
+    assert httpx.get(served.url + "/ready", timeout=10).status_code == 200
+    end = time.time() + 60
+    while time.time() < end:
+        w = httpx.get(served.url + "/ready", timeout=10).json()["drafter_worker"]
+        if w["state"] == "up" and w["restarts"] >= first["restarts"] + 1:
+            break
+        time.sleep(0.5)
+    assert w["state"] == "up" and w["pid"] != first["pid"], w
