@@ -391,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             stage("service", serve)
 
         def vllm() -> dict:
-            got = run_vllm(target, args.requests, args.prompt_tokens, args.new_tokens,
-                           args.drafter, args.tiny, time_left)  # fmt: skip
+            got = run_vllm(
+                target, args.requests, args.prompt_tokens, args.new_tokens, args.drafter, time_left
+            )  # fmt: skip
             res["errors"] += [f"vllm {e}" for e in vllm_errors(got)]
             return {"vllm": got}
 

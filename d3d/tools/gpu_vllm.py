@@ -37,7 +37,7 @@ def _memory_gb() -> list[float]:
     return out
 
 
-def _engine(path: str, dtype: str, speculative: dict | None, share: float, tiny: bool):
+def _engine(path: str, dtype: str, speculative: dict | None, share: float, window: int):
     from vllm import LLM
 
     kw: dict = {"gpu_memory_utilization": share} if torch.cuda.is_available() else {}
@@ -46,9 +46,10 @@ def _engine(path: str, dtype: str, speculative: dict | None, share: float, tiny:
         dtype=dtype,
         enforce_eager=True,
         skip_tokenizer_init=True,
-        max_model_len=4096 if not tiny else 512,
+        max_model_len=window,
         max_num_seqs=64,
         speculative_config=speculative,
+        disable_log_stats=False,
         **kw,
     )
 
@@ -75,7 +76,6 @@ def run_vllm(
     prompt_tokens: int,
     new_tokens: int,
     drafter: str,
-    tiny: bool,
     time_left: Callable[[], float],
 ) -> dict:
     """The stage's figures (see the module docstring)."""
@@ -100,7 +100,8 @@ def run_vllm(
         target.save_pretrained(path)
         out["save_s"] = round(time.perf_counter() - t0, 1)
         share = 0.35 if gpus < 2 else 0.6
-        llm = _engine(path, dtype, None, share, tiny)
+        window = prompt_tokens + new_tokens + 16
+        llm = _engine(path, dtype, None, share, window)
         try:
             ref, seconds = _run(llm, prompts, new_tokens, None)
             out["alone"] = {
@@ -128,7 +129,7 @@ def run_vllm(
             "model": "d3d.vllm.D3DProposer",
             "num_speculative_tokens": 15,
         }
-        llm = _engine(path, dtype, spec, share, tiny)
+        llm = _engine(path, dtype, spec, share, window)
         try:
             stats = StatsClient(sock)
             end = time.monotonic() + 120

@@ -15,7 +15,8 @@ from d3d.tools.gpu_service import ServiceError, ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-TINY_RUN = ["--tiny", "--context", "32", "--repeats", "1", "--drafter-layers", "2"]
+# In process: the vLLM stage is the script test's (it starts two vLLM engines)
+TINY_RUN = ["--tiny", "--context", "32", "--repeats", "1", "--drafter-layers", "2", "--no-vllm"]
 SMALL_SERVICE = ["--requests", "4", "--prompt-tokens", "20", "--new-tokens", "6"]
 
 
@@ -80,7 +81,7 @@ def test_check_figures_in_process(tmp_path):
     mem = res["memory"]  # counted everywhere, allocated where CUDA counts
     assert (
         mem["target_weight_bytes"]["counted"] > 0
-        and mem["kv_bytes"]["counted"] == 2 * 6 * 2 * 16 * 4 * 32
+        and mem["kv_bytes"]["counted"] == 2 * 6 * 2 * 32 * 4 * 32
     )
     assert set(row["memory"]) == {"drafter_bytes", "build_peak_extra_bytes"}
 
