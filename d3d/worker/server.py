@@ -18,7 +18,7 @@ a hit and a miss draw from the same stream.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +95,11 @@ class DraftServer:
         self.clock = clock or Clock([getattr(drafter, "device", "cpu")]).now
         self.budget = BranchBudget(self.cfg.max_branches, self.cfg.safety)
         self.sessions: dict[int, _Session] = {}
+        # Whether the next message is already waiting (set by the loop that feeds this server):
+        # then the verification the branches would race has ended, and its commit is a miss
+        # drafted in one block, cheaper than branches for it; a worker that fell behind (a
+        # flood of rows on a slow drafter) catches up instead of drafting for rounds long gone.
+        self.pending: Callable[[], bool] = lambda: False
 
     # ----- messages ---------------------------------------------------------------------
     def handle(self, msg: object) -> Iterator[object]:
@@ -161,6 +166,8 @@ class DraftServer:
             ready.append((msg.sid, sess, block, msg.next_len))
         ready = [r for r in ready if r[1].prepares]
         for sid, sess, block, length in ready:
+            if self.pending():
+                break
             try:
                 self._prepare(sess, block, length, rows=len(ready))
             except Exception as exc:

@@ -177,8 +177,16 @@ class WorkerClient:
             box.put(None)
 
 
-def serve(server: DraftServer, get: Callable[[], object], put: Callable[[object], None]) -> None:
-    """The worker loop: each message's replies go out as soon as they exist."""
+def serve(
+    server: DraftServer,
+    get: Callable[[], object],
+    put: Callable[[object], None],
+    pending: Callable[[], bool] | None = None,
+) -> None:
+    """The worker loop: each message's replies go out as soon as they exist; ``pending()``: the
+    next message is waiting already (the server then prepares no branches)."""
+    if pending is not None:
+        server.pending = pending
     while True:
         msg = get()
         if isinstance(msg, Stop):
@@ -211,7 +219,7 @@ class ThreadWorker(WorkerClient):
         dev = torch.device(device)
         stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            serve(self.server, self._inbox.get, self._outbox.put)
+            serve(self.server, self._inbox.get, self._outbox.put, lambda: not self._inbox.empty())
 
     def close(self) -> None:
         if not self.dead:
@@ -258,7 +266,7 @@ def child_main(conn: Connection, start: ChildStart) -> None:
         }
         put(Ready(info))
         threading.Thread(target=_beat, args=(put, start.beat_s), daemon=True).start()
-        serve(server, conn.recv, put)
+        serve(server, conn.recv, put, conn.poll)
     except (EOFError, OSError, KeyboardInterrupt):
         pass
     except Exception as exc:  # reported once; the parent goes on without speculation
