@@ -213,6 +213,7 @@ class RowKV(RaggedCache):
             members,
             (q[:, None] + t).flatten(),
             sees.view(count, 1, width, n),
+            tuple(items),
         )
         at = (length[:, None] + t).flatten()
         self._writes.append((group, slot.repeat_interleave(width), at))

@@ -3,8 +3,11 @@
 ``F.linear`` on a CPU hands each call to a BLAS that reads the weight in its stored layout; for
 the few rows of a decode step or a verify forward that layout is what costs. oneDNN can keep
 the weight in the blocked layout its kernels read (packed once, at load), which measured here
-(SmolLM2-135M, fp32, one thread, context 460) made a 16-token verify forward 0.70x as long, a
-300-token prefill 0.80x and a decode step 0.90x (``d3d bench`` prints the forwards' times).
+(SmolLM2-135M, fp32, one thread, context 460) made a 16-token verify forward 0.70x as long and
+a 300-token prefill 0.80x (``d3d bench`` prints the forwards' times). For one or two rows (a
+lone request's decode step) the packed kernel is the slower one (torch 2.13: a one-row decode
+step 1.25-1.3x as long at one and at two threads, measured in the engine; from four rows on
+packing wins), so those inputs read the weight as stored (``SMALL``).
 
 :func:`pack_linears` turns a model's ``nn.Linear`` modules into :class:`PackedLinear` in place
 (the same module objects: hooks, state-dict keys and ``isinstance`` checks stay as they were).
@@ -26,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+SMALL = 2  # inputs of at most this many rows read the unpacked weight (module docstring)
 
 
 def available() -> bool:
@@ -55,7 +60,7 @@ class PackedLinear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._fits(x):
+        if x.numel() <= SMALL * x.shape[-1] or not self._fits(x):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 

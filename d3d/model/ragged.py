@@ -14,6 +14,13 @@ drafter's blocks, which see all their slots) are attended one by one, as a list 
 :class:`Segment` s. Either reaches the attention through the model's keyword arguments, which
 Hugging Face passes down to the attention function.
 
+On a CPU a prompt's chunk (a group at least ``SPLIT_WIDTH`` tokens wide) is attended row by row,
+split at the row's cached length: the cached keys unmasked, the chunk's own keys causal (the
+flash kernel skips the blocks above the diagonal instead of reading a mask over them), the two
+merged by their log-sum-exps. The same attention up to summation order, computed the same way
+whatever else is in the step (measured here, SmolLM2-135M, fp32, two threads: a 2,048-token
+prompt's attention in one chunk 0.56x as long, in chunks of 512 0.9x; its whole reading ~0.94x).
+
 It is installed as a wrapper around the ``sdpa`` attention entry (the engine runs its target
 with sdpa): a forward without ``d3d_segments`` (any other caller of the same model, in any
 thread) runs exactly the original function.
@@ -34,6 +41,7 @@ from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 KWARG = "d3d_segments"
+SPLIT_WIDTH = 32  # on a CPU, groups this wide (prompt chunks) are attended split (docstring)
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,8 @@ class Group:
     queries among the N new tokens (a slot whose row is not in the step repeats another's and
     its output is dropped); ``members``: the slots that are rows of the step (None: all),
     ``outputs`` [members * T] their queries' positions; ``mask`` [count, 1, T, n]: a row's
-    query t sees its keys up to its own length + t."""
+    query t sees its keys up to its own length + t; ``rows``: (slot, first query, length) of
+    each row of the step, in slot order."""
 
     slab: Any
     first: int
@@ -70,6 +79,7 @@ class Group:
     members: torch.Tensor | None
     outputs: torch.Tensor
     mask: torch.Tensor
+    rows: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,14 @@ def ragged_attention(
         return torch.cat([one(s) for s in batch], dim=2).transpose(1, 2).contiguous()
     out = torch.empty_like(query)  # the layout of [1, N, Hq, D]: the transpose below is free
     hq, d = query.shape[1], query.shape[3]
+    cpu = query.device.type == "cpu"
     for g in batch.groups:
+        if cpu and g.width >= SPLIT_WIDTH:
+            for slot, q0, length in g.rows:
+                k, v = g.slab.keys(layer, slot, 1, length + g.width)
+                o = _chunk_attention(query.narrow(2, q0, g.width), k, v, length, scaling)
+                out[0].narrow(1, q0, g.width).copy_(o[0])
+            continue
         q = query[0].index_select(1, g.queries).view(hq, g.count, g.width, d).transpose(0, 1)
         k, v = g.slab.keys(layer, g.first, g.count, g.n)
         o = F.scaled_dot_product_attention(q, k, v, g.mask, scale=scaling, enable_gqa=gqa)
@@ -115,6 +132,25 @@ def ragged_attention(
             o = o.index_select(0, g.members)
         out[0].index_copy_(1, g.outputs, o.transpose(0, 1).reshape(hq, -1, d))
     return out.transpose(1, 2).contiguous()
+
+
+def _chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float | None
+) -> torch.Tensor:
+    """One row's T new tokens after ``past`` cached ones: q [1, Hq, T, D], k / v [1, Hkv, n,
+    D] (n >= past + T) -> [1, Hq, T, D]. The chunk's own keys causal, the cached keys
+    unmasked, merged by the two parts' log-sum-exps."""
+    t = q.shape[2]
+    own = (k.narrow(2, past, t), v.narrow(2, past, t))
+    o2, l2 = _FLASH(q, *own, 0.0, True, scale=scale)
+    if past == 0:
+        return o2
+    o1, l1 = _FLASH(q, k.narrow(2, 0, past), v.narrow(2, 0, past), 0.0, False, scale=scale)
+    w1 = torch.sigmoid(l1 - l2).unsqueeze(-1)  # e^l1 / (e^l1 + e^l2)
+    return torch.lerp(o2, o1, w1.to(o1.dtype))
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class RaggedCache(Cache):

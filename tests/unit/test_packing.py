@@ -33,6 +33,21 @@ def test_packed_linear_matches_and_keeps_the_module():
     assert hooked == [(3, 5, 48)] and set(lin.state_dict()) == keys
 
 
+def test_one_or_two_rows_read_the_stored_weight_and_more_the_packed_one(monkeypatch):
+    lin = nn.Linear(64, 48, bias=False)
+    packing.pack_linears(nn.Sequential(lin))
+    packed = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        packing.torch.ops.mkldnn, "_linear_pointwise", lambda *a: packed.append(1) or real(*a)
+    )
+    with torch.inference_mode():
+        for rows in (1, packing.SMALL, packing.SMALL + 1, 16):
+            x = torch.randn(1, rows, 64)
+            torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+    assert len(packed) == 2  # the inputs of SMALL + 1 and 16 rows
+
+
 def test_gradients_and_changed_weights_use_the_plain_map():
     torch.manual_seed(0)
     lin = nn.Linear(16, 8, bias=False)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from d3d.engine.kv import GROW, RowKV
 from d3d.engine.slabs import FIRST, next_capacity
-from d3d.model.ragged import ragged_attention
+from d3d.model.ragged import SPLIT_WIDTH, ragged_attention
 
 
 def make_kv(max_tokens: int = 64 * GROW, layers: int = 2) -> RowKV:
@@ -79,8 +79,18 @@ def test_the_slabs_never_allocate_past_the_bound():
     assert kv.allocated_bytes == 0 and not kv.store.slabs  # ... until the engine is idle
 
 
+WIDE = SPLIT_WIDTH + 5  # a prompt's chunk: attended split at the row's cached length
+
+
 @pytest.mark.parametrize("gqa", [False, True])
-def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa):
+@pytest.mark.parametrize(
+    "widths",
+    [
+        [1, 3, 1, 1, 3],  # one-token rows, and blocks of three (one of them not in a run)
+        [1, WIDE, 1, WIDE, 3],  # two prompt chunks of one width among decoding rows
+    ],
+)
+def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa, widths):
     kv = make_kv(layers=1)
     rows = [kv.open(4 * GROW) for _ in range(4)]
     for i, r in enumerate(rows):
@@ -90,18 +100,19 @@ def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa):
     class Layer(torch.nn.Module):
         layer_idx = 0
 
-    widths = [1, 3, 1, 1, 3]  # one-token rows, and blocks of three (one of them not in a run)
     rows.append(kv.open(4 * GROW))
     fill(kv, rows[-1], 9, seed=7)
+    rows.append(kv.open(4 * GROW))  # a prompt's first chunk: no cached keys
+    widths = [*widths, WIDE]
     with torch.inference_mode():
         pos, batch = kv.begin(rows, widths)
         n = pos.shape[1]
         new_k = torch.randn(1, 2, n, 4)
         kv.update(new_k, new_k + 1, 0)
-        assert sorted(g.width for g in batch.groups) == [1, 3]
+        assert sorted({g.width for g in batch.groups}) == sorted(set(widths))
         q = torch.randn(1, hq, n, 4)
         out = ragged_attention(Layer(), q, new_k, new_k + 1, batch)  # [1, N, Hq, D]
-        starts = [0, 1, 4, 5, 6]
+        starts = [sum(widths[:i]) for i in range(len(widths))]
         for r, s, w in zip(rows, starts, widths, strict=True):
             k, v = r.keys(0, r.length + w)
             mask = torch.arange(r.length + w)[None, :] <= (r.length + torch.arange(w))[:, None]
