@@ -79,7 +79,7 @@ class Group:
     members: torch.Tensor | None
     outputs: torch.Tensor
     mask: torch.Tensor
-    rows: tuple[tuple[int, int, int], ...] = ()
+    rows: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ def ragged_attention(
     return out.transpose(1, 2).contiguous()
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log-sum-exp)
+
+
 def _chunk_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float | None
 ) -> torch.Tensor:
@@ -148,9 +151,6 @@ def _chunk_attention(
     o1, l1 = _FLASH(q, k.narrow(2, 0, past), v.narrow(2, 0, past), 0.0, False, scale=scale)
     w1 = torch.sigmoid(l1 - l2).unsqueeze(-1)  # e^l1 / (e^l1 + e^l2)
     return torch.lerp(o2, o1, w1.to(o1.dtype))
-
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class RaggedCache(Cache):

@@ -109,7 +109,7 @@ def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa, widths
         n = pos.shape[1]
         new_k = torch.randn(1, 2, n, 4)
         kv.update(new_k, new_k + 1, 0)
-        assert sorted({g.width for g in batch.groups}) == sorted(set(widths))
+        assert sorted(g.width for g in batch.groups) == sorted(set(widths))  # one per width
         q = torch.randn(1, hq, n, 4)
         out = ragged_attention(Layer(), q, new_k, new_k + 1, batch)  # [1, N, Hq, D]
         starts = [sum(widths[:i]) for i in range(len(widths))]
