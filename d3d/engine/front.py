@@ -30,6 +30,7 @@ from d3d.decoding.stats import DecodeStats
 from d3d.engine.calibration import seed
 from d3d.engine.cost_memory import costs_path, load_costs, save_costs
 from d3d.engine.drafter_host import DrafterHost, launch_process
+from d3d.engine.heap import keep_freed_memory
 from d3d.engine.kv import default_kv_tokens
 from d3d.engine.kv_store import PrefixCache
 from d3d.engine.loading import build_drafter, check_device, placement_for
@@ -99,6 +100,8 @@ class Engine:
             check_device(cfg.drafter_device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.target_device == "cpu":
+            keep_freed_memory()  # large activations reuse pages (d3d.engine.heap)
         place = placement_for(cfg)
         early = launch_process(cfg, place) if with_drafter and start_worker else None
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
