@@ -19,7 +19,8 @@ Prompts are read in chunks inside the same forward as the decoding rows (one fla
 :mod:`d3d.model.ragged`: the weights are read once a step), shortest prompt first, so a short
 request is not queued behind a long document; while rows decode, the chunks may make the step
 at most ``1 + share`` times as long as the rows alone (:class:`PrefillBudget`): a long prompt
-costs running rows a bounded share of each step, never a whole prefill. A prompt prefix that
+costs running rows a bounded share of each step, never a whole prefill; short prompts (chats) are
+read whole, so their rows decode from the next step. A prompt prefix that
 requests share (document QA: the instruction and the document's head) is read once, on its own
 up to its end, and kept in the prefix cache; other rows copy it (:mod:`d3d.engine.prefixes`).
 
@@ -64,18 +65,46 @@ class PrefillBudget:
     ``t(d + c) <= (1 + share) t(d)``, i.e. ``c = share (a + b d) / b``: the decoding rows' step
     grows by at most ``share`` (at least ``min_chunk`` tokens, so every prompt advances). With
     nothing decoding, ``max_chunk``.
+
+    Short prompts are read whole: the waiting prompts of at most ``short`` tokens, shortest
+    first, as many as keep the step within ``burst`` tokens, even past the share. A request
+    reading its prompt does not decode, so under many short requests (chats, the field's
+    benchmarks) a prompt spread over several share-sized steps leaves its row idle for each of
+    them and the batch runs part-full; read whole, it decodes from the next step (vLLM reads
+    up to 2,048 tokens a step on a CPU). A long prompt (a document) still costs the decoding
+    rows at most ``share`` a step. ``short=0`` turns this off.
     """
 
-    def __init__(self, share: float = 2.0, min_chunk: int = 16, max_chunk: int = 512):
+    def __init__(
+        self,
+        share: float = 2.0,
+        min_chunk: int = 16,
+        max_chunk: int = 512,
+        short: int = 512,
+        burst: int = 2048,
+    ):
         if share <= 0 or not 0 < min_chunk <= max_chunk:
             raise ValueError("need share > 0 and 0 < min_chunk <= max_chunk")
+        if short < 0 or burst < short:
+            raise ValueError("need 0 <= short <= burst")
         self.share, self.min_chunk, self.max_chunk = share, min_chunk, max_chunk
+        self.short, self.burst = short, burst
         self.cost = LinearCost(window=64)
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
 
-    def tokens(self, decode_tokens: int) -> int:
+    def tokens(self, decode_tokens: int, waiting: Sequence[int] = ()) -> int:
+        """The step's prompt tokens while ``decode_tokens`` decode and prompts with ``waiting``
+        tokens left wait to be read."""
+        whole = 0
+        for n in sorted(waiting):
+            if n > self.short or decode_tokens + whole + n > self.burst:
+                break
+            whole += n
+        return max(whole, self._shared(decode_tokens))
+
+    def _shared(self, decode_tokens: int) -> int:
         if decode_tokens == 0:
             return self.max_chunk
         fit = self.cost.fit()
@@ -306,7 +335,7 @@ class Scheduler:
         """The next chunk of each prompt being read, shortest first, up to the step's budget.
         A chunk stops at the end of a shared prefix (kept in the prefix cache there); a prefix
         that one row is reading is read by that row alone (:meth:`SharedPrefixes.waits`)."""
-        budget = self.prefill_budget.tokens(decode_tokens)
+        budget = self.prefill_budget.tokens(decode_tokens, [r.prompt_left for r in rows])
         out: list[tuple[Row, int]] = []
         reading = self.prefixes.reading(rows)
         for row in sorted(rows, key=lambda r: r.prompt_left):

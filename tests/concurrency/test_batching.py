@@ -255,7 +255,7 @@ def test_questions_arriving_together_read_their_shared_prefix_once(kind):
     head = [(7 * i) % 90 + 3 for i in range(40)]
     prompts = [[*head, 5, 6], [*head, 9], [*head, 11, 12, 13]]
     for cancel in (False, True):
-        engine = make(model, max_batch=4, prefill=PrefillBudget(min_chunk=8, max_chunk=8))
+        engine = make(model, max_batch=4, prefill=PrefillBudget(min_chunk=8, max_chunk=8, short=0))
         out = [Collector() for _ in prompts]
         reqs = [out[i].request(p, 8, "ar") for i, p in enumerate(prompts)]
         for r in reqs:

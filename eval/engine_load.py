@@ -1,0 +1,153 @@
+"""The engine under a closed-loop load, without HTTP: how its scheduling settings pay.
+
+``clients`` requests are in flight at once, each a random prompt of ``input-len`` token ids and
+``output-len`` new tokens with end-of-sequence ignored (``vllm bench serve``'s random dataset,
+in process); a request that finishes is replaced at once until ``requests`` were sent. The
+engine is the one ``d3d serve`` runs (a :class:`~d3d.engine.scheduler.Scheduler` over the
+embedded target as :class:`~d3d.engine.front.Engine` loads it, mode ``ar``), stepped in this
+thread, so what is measured is the scheduler and the
+forward alone: no front, no client on the same cores. Each setting is a
+``share:max_batch:max_chunk:short`` string (:class:`~d3d.engine.scheduler.PrefillBudget`;
+``short=0``: prompts are read only in share-sized chunks), and the settings run alternately
+``--repeats`` times on the same prompts (seeded by repeat), so the machine's drift falls on
+all of them alike. Prints output tok/s, steps and median latency per run, the median per setting,
+and writes them to ``--out``.
+
+Usage:
+    python -m eval.engine_load --clients 64 --requests 64 --settings 2:64:512:0,2:64:512:512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from d3d.config import ModelConfig
+from d3d.decoding.proposers import ArProposer
+from d3d.engine.front import Engine
+from d3d.engine.kv import default_kv_tokens
+from d3d.engine.request import GenRequest
+from d3d.engine.scheduler import PrefillBudget, Scheduler
+
+
+@dataclass(frozen=True)
+class Setting:
+    share: float
+    max_batch: int
+    max_chunk: int
+    short: int
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        share, batch, chunk, short = text.split(":")
+        return cls(float(share), int(batch), int(chunk), int(short))
+
+    @property
+    def name(self) -> str:
+        return f"{self.share:g}:{self.max_batch}:{self.max_chunk}:{self.short}"
+
+
+def run(engine: Engine, s: Setting, args: argparse.Namespace, seed: int) -> dict:
+    """One closed-loop run: output tok/s, steps, median request latency."""
+    sched = Scheduler(  # the service's scheduler, with these settings, eos ignored
+        engine.target.model,
+        set(),
+        lambda req: ArProposer(),
+        max_batch=s.max_batch,
+        max_kv_tokens=default_kv_tokens(engine.target.model),
+        prefill=PrefillBudget(share=s.share, max_chunk=s.max_chunk, short=s.short),
+    )
+    rng = random.Random(seed)
+    sent, tokens, latencies = 0, [0], []
+
+    def send() -> None:
+        nonlocal sent
+        sent += 1
+        t0 = time.perf_counter()
+        ids = [rng.randrange(1000, 40000) for _ in range(args.input_len)]
+
+        def on_tokens(chunk: list[int]) -> None:
+            tokens[0] += len(chunk)
+
+        def on_finish(stats, err, t0=t0) -> None:
+            if err is not None:
+                raise RuntimeError(f"a request failed: {err}")
+            latencies.append(time.perf_counter() - t0)
+            if sent < args.requests:
+                send()
+
+        sched.add(
+            GenRequest(ids, args.output_len, mode="ar", on_tokens=on_tokens, on_finish=on_finish)
+        )
+
+    for _ in range(min(args.clients, args.requests)):
+        send()
+    t0, steps = time.perf_counter(), 0
+    while not sched.idle:
+        sched.step()
+        steps += 1
+    seconds = time.perf_counter() - t0
+    return {
+        "setting": s.name,
+        "tokens_per_s": tokens[0] / seconds,
+        "tokens": tokens[0],
+        "seconds": seconds,
+        "steps": steps,
+        "latency_p50_s": statistics.median(latencies),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="default", help="a Hugging Face id or directory")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--settings", default="2:64:512:0,2:64:512:512")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="eval/results/engine_load.json")
+    args = p.parse_args(argv)
+    settings = [Setting.parse(x) for x in args.settings.split(",")]
+    engine = Engine.from_config(ModelConfig(target=args.target), with_drafter=False)
+    runs = []
+    for rep in range(args.repeats):
+        for s in settings:
+            r = run(engine, s, args, seed=rep)
+            runs.append(r)
+            print(
+                f"[{rep}] {s.name}: {r['tokens_per_s']:.1f} tok/s, {r['steps']} steps, "
+                f"latency p50 {r['latency_p50_s']:.2f} s",
+                flush=True,
+            )
+    medians = {
+        s.name: statistics.median(r["tokens_per_s"] for r in runs if r["setting"] == s.name)
+        for s in settings
+    }
+    base = medians[settings[0].name]
+    for name, tps in medians.items():
+        print(f"{name}: median {tps:.1f} tok/s ({tps / base:.2f}x {settings[0].name})")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: v for k, v in vars(args).items()}
+    out.write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "settings": [asdict(s) for s in settings],
+                "runs": runs,
+                "medians": medians,
+            },
+            indent=1,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
