@@ -45,9 +45,12 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     if cfg.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest set whose mass reaches top_p: a token stays if the mass before it
-        # is still below top_p (so the most likely token always stays).
+        # is still below top_p. The most likely token always stays, also for a top_p that
+        # float32 rounds to 0 (5e-324: every mass before would reach it, and 0 / 0 is NaN).
         before = sorted_p.cumsum(dim=-1) - sorted_p
-        sorted_p = sorted_p.masked_fill(before >= cfg.top_p, 0.0)
+        drop = before >= cfg.top_p
+        drop[..., 0] = False
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = _renorm(torch.zeros_like(probs).scatter(-1, order, sorted_p))
     return probs
 

@@ -54,6 +54,19 @@ def test_a_vanishing_temperature_samples_the_argmax_not_nan():
     assert pick(logits[0], SamplingConfig(temperature=1e-300, seed=1), None) == 1
 
 
+def test_a_vanishing_top_p_keeps_the_most_likely_token_not_nan():
+    """5e-324 rounds to 0 in float32, so every token's mass before it 'reached' top_p and all
+    were dropped (0 / 0 = NaN, a 500 found by the schema fuzzer): the most likely token stays,
+    ties included at the first place only."""
+    cfg = SamplingConfig(temperature=5e-324, top_p=5e-324)
+    p = probabilities(torch.zeros(2, 7), cfg)  # all tied: one token left per row
+    assert torch.isfinite(p).all() and torch.equal(p.sum(-1), torch.ones(2))
+    assert torch.equal((p > 0).sum(-1), torch.ones(2, dtype=torch.long))
+    logits = torch.tensor([[1.5, 3.0, -2.0, 2.9]])
+    p = probabilities(logits, SamplingConfig(temperature=1.0, top_p=5e-324))
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
 def test_pick_greedy_is_argmax():
     assert pick(torch.tensor([0.1, 3.0, 2.0]), SamplingConfig(), None) == 1
 
