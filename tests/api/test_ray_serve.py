@@ -64,9 +64,9 @@ def test_default_is_cpu_replicas_that_autoscale():
     assert opts["autoscaling_config"] == {
         "min_replicas": 1,
         "max_replicas": 4,
-        "target_ongoing_requests": 16,
+        "target_ongoing_requests": 32,
     }
-    assert opts["max_ongoing_requests"] == 32 + 64
+    assert opts["max_ongoing_requests"] == 64 + 128
 
 
 def test_gpu_pairs_from_the_environment_and_settings_reach_the_replicas():
@@ -78,7 +78,7 @@ def test_gpu_pairs_from_the_environment_and_settings_reach_the_replicas():
     actor = opts["ray_actor_options"]
     assert (actor["num_gpus"], actor["num_cpus"]) == (2.0, 8.0)
     assert actor["runtime_env"] == {"env_vars": parsed.env}
-    assert opts["max_ongoing_requests"] == 8 + 64
+    assert opts["max_ongoing_requests"] == 8 + 128
 
 
 def test_serve_run_args_win_over_the_environment():
