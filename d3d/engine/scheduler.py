@@ -335,17 +335,22 @@ class Scheduler:
         """The next chunk of each prompt being read, shortest first, up to the step's budget.
         A chunk stops at the end of a shared prefix (kept in the prefix cache there); a prefix
         that one row is reading is read by that row alone (:meth:`SharedPrefixes.waits`)."""
-        budget = self.prefill_budget.tokens(decode_tokens, [r.prompt_left for r in rows])
-        out: list[tuple[Row, int]] = []
         reading = self.prefixes.reading(rows)
+        wants: list[tuple[Row, int]] = []  # what each row that may read now would read whole
         for row in sorted(rows, key=lambda r: r.prompt_left):
-            if budget <= 0:
-                break
             if self.prefixes.waits(row, reading):
                 continue
             shared = self.prefixes.length(row)
             end = shared if row.prefilled < shared else len(row.req.prompt_ids)
-            n = min(end - row.prefilled, budget)
+            wants.append((row, end - row.prefilled))
+        # The budget counts only what these rows read: a row waiting for a prefix, or one whose
+        # chunk stops at its prefix's end, lends no tokens to a document read after it.
+        budget = self.prefill_budget.tokens(decode_tokens, [n for _, n in wants])
+        out: list[tuple[Row, int]] = []
+        for row, want in wants:
+            if budget <= 0:
+                break
+            n = min(want, budget)
             out.append((row, n))
             budget -= n
         return out
