@@ -134,11 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: median {tps:.1f} tok/s ({tps / base:.2f}x {settings[0].name})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: v for k, v in vars(args).items()}
     out.write_text(
         json.dumps(
             {
-                "meta": meta,
+                "meta": vars(args),
                 "settings": [asdict(s) for s in settings],
                 "runs": runs,
                 "medians": medians,
