@@ -29,6 +29,9 @@ token comes out as token 0 nine times in ten: ``tests/vllm/test_vllm_sampling.py
 the proposer drafts for greedy requests only and sampled ones decode plainly (exact); on CUDA
 (vLLM's Triton kernels) sampled requests speculate too.
 
+A step in which no row drafts (every ``ar`` row, ``auto`` where speculation does not pay) takes
+vLLM's plain path, not its speculative one with nothing to verify (:mod:`d3d.vllm.plain_steps`).
+
 A failure of the drafter (dead, hung, garbage) costs a request its speculation, never its
 answer: the proposer returns no draft for it, and any error inside this adapter returns no draft
 for the step. With tensor parallelism only rank 0 drafts (vLLM takes the drafts from it).
@@ -52,6 +55,7 @@ from d3d.decoding.policy import HostCosts
 from d3d.decoding.stats import DecodeStats
 from d3d.engine.loading import DrafterFactory
 from d3d.engine.placement import parse_cores
+from d3d.vllm import plain_steps
 from d3d.vllm.rows import RequestRows, RowView
 from d3d.vllm.stats import StatsServer
 from d3d.worker.modes import MODES, ModeKit
@@ -161,6 +165,7 @@ class D3DProposer:
         self.sampled_speculate = not _cpu_platform()  # see the module docstring
         if self.runner is None:
             log.error("D3D proposer: vLLM's model runner not found; no drafts (vLLM changed?)")
+        self.paths = plain_steps.install(self.runner) if self.runner is not None else None
 
     # ----- vLLM's calls -----------------------------------------------------------------------
     def load_model(self, target=None) -> None:
@@ -258,6 +263,9 @@ class D3DProposer:
             out["worker"] = self.supervisor.status() if self.supervisor else None
             out["resyncs"] = self.rows.resyncs if self.rows else 0
             out["errors"] = self.errors
+            if self.paths is not None:
+                out["plain_steps"] = self.paths.plain
+                out["speculative_steps"] = self.paths.speculative
             return out
         raise ValueError(f"unknown question {kind!r}")
 

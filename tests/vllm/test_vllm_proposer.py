@@ -3,7 +3,7 @@ answers in ``sync``, ``async`` and ``auto`` equal vLLM without drafts (``ar``) t
 one request at a time and eight at once with mixed modes, prompts of different lengths and
 requests joining mid-flight; vLLM's own acceptance counters grow; ``async`` requests report
 branch hits; the drafter process killed with SIGKILL under eight requests costs no answer and
-is replaced."""
+is replaced; steps in which no row drafts take vLLM's plain path."""
 
 from __future__ import annotations
 
@@ -92,3 +92,15 @@ def test_the_drafter_killed_under_eight_requests_costs_no_answer(embedded, promp
     assert outs == [reference[3]]
     st = embedded.stats.ask("request", rid)
     assert st["branch_hits"] + st["branch_misses"] > 0, "the new worker drafts again"
+
+
+def test_steps_without_drafts_take_vllms_plain_path(embedded, prompts, reference):
+    before = embedded.stats.ask("totals")
+    (out,), _ = embedded.run([(prompts[0], params("ar"))])
+    assert out == reference[0]
+    mid = embedded.stats.ask("totals")
+    assert mid["plain_steps"] - before["plain_steps"] >= NEW, "each step of an ar request"
+    assert mid["speculative_steps"] == before["speculative_steps"]
+    (out,), _ = embedded.run([(prompts[3], params("sync"))])
+    assert out == reference[3]
+    assert embedded.stats.ask("totals")["speculative_steps"] > mid["speculative_steps"]
