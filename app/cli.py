@@ -31,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         doc_cache_dir=args.doc_cache_dir,
         copy=False if args.no_copy else None,
         prefill_share=args.prefill_share,
+        prefill_floor=args.prefill_floor,
         engine=args.engine,
         vllm_eager=True if args.vllm_eager else None,
     )
@@ -94,6 +95,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the step at most this much longer again (D3D_PREFILL_SHARE, default 2.0: decoding rows "
         "at most about 3x slower while long prompts are read, in exchange for reading them "
         "faster)",
+    )
+    p.add_argument(
+        "--prefill-floor",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="... or this long, where that is more than the share (D3D_PREFILL_FLOOR, default "
+        "0.5: with few rows decoding, a share of their short step reads documents slowly)",
     )
     p.add_argument(
         "--engine",

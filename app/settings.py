@@ -44,6 +44,7 @@ ENV = {
     "doc_cache_dir": ("D3D_DOC_CACHE_DIR", str),
     "copy": ("D3D_COPY", _switch),
     "prefill_share": ("D3D_PREFILL_SHARE", float),
+    "prefill_floor": ("D3D_PREFILL_FLOOR", float),
     "engine": ("D3D_ENGINE", str),
     "vllm_eager": ("D3D_VLLM_EAGER", _switch),
 }
@@ -69,6 +70,7 @@ class ServeSettings:
     warmup: bool = True
     copy: bool = True  # auto rows may verify copies of their own text (d3d.decoding.lookup)
     prefill_share: float = 2.0  # prompt chunks may make a decoding step this much longer
+    prefill_floor: float = 0.5  # ... or this many seconds long, where that is more
     engine: str = "own"  # "own": the project's engine; "vllm": vLLM's, D3D as its proposer
     vllm_eager: bool = False  # vLLM without torch.compile / CUDA graphs
 
@@ -80,6 +82,7 @@ class ServeSettings:
             (self.max_document_tokens >= 1, "max_document_tokens", "must be >= 1"),
             (self.request_timeout > 0, "request_timeout", "must be > 0"),
             (self.prefill_share > 0, "prefill_share", "must be > 0"),
+            (self.prefill_floor >= 0, "prefill_floor", "must be >= 0"),
             (self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}"),
         ]
         for ok, name, msg in checks:

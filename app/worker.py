@@ -226,7 +226,9 @@ class EngineWorker:
         self.detokenizer = copy.deepcopy(engine.tokenizer)
         self.batch = engine.scheduler(
             max_batch=self.settings.max_batch,
-            prefill=PrefillBudget(share=self.settings.prefill_share),
+            prefill=PrefillBudget(
+                share=self.settings.prefill_share, floor_s=self.settings.prefill_floor
+            ),
         )
         model = engine.target.model
         p = next(model.parameters())

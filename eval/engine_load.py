@@ -7,8 +7,9 @@ engine is the one ``d3d serve`` runs (a :class:`~d3d.engine.scheduler.Scheduler`
 embedded target as :class:`~d3d.engine.front.Engine` loads it, mode ``ar``), stepped in this
 thread, so what is measured is the scheduler and the
 forward alone: no front, no client on the same cores. Each setting is a
-``share:max_batch:max_chunk:short`` string (:class:`~d3d.engine.scheduler.PrefillBudget`;
-``short=0``: prompts are read only in share-sized chunks), and the settings run alternately
+``share:max_batch:max_chunk:short[:floor_s]`` string
+(:class:`~d3d.engine.scheduler.PrefillBudget`; ``short=0``: prompts are read only in share-sized
+chunks; ``floor_s``: the budget's default where left out), and the settings run alternately
 ``--repeats`` times on the same prompts (seeded by repeat), so the machine's drift falls on
 all of them alike. Prints output tok/s, steps and median latency per run, the median per setting,
 and writes them to ``--out``.
@@ -41,15 +42,17 @@ class Setting:
     max_batch: int
     max_chunk: int
     short: int
+    floor_s: float = PrefillBudget().floor_s
 
     @classmethod
     def parse(cls, text: str) -> Setting:
-        share, batch, chunk, short = text.split(":")
-        return cls(float(share), int(batch), int(chunk), int(short))
+        share, batch, chunk, short, *floor = text.split(":")
+        extra = (float(floor[0]),) if floor else ()
+        return cls(float(share), int(batch), int(chunk), int(short), *extra)
 
     @property
     def name(self) -> str:
-        return f"{self.share:g}:{self.max_batch}:{self.max_chunk}:{self.short}"
+        return f"{self.share:g}:{self.max_batch}:{self.max_chunk}:{self.short}:{self.floor_s:g}"
 
 
 def run(engine: Engine, s: Setting, args: argparse.Namespace, seed: int) -> dict:
@@ -60,7 +63,9 @@ def run(engine: Engine, s: Setting, args: argparse.Namespace, seed: int) -> dict
         lambda req: ArProposer(),
         max_batch=s.max_batch,
         max_kv_tokens=default_kv_tokens(engine.target.model),
-        prefill=PrefillBudget(share=s.share, max_chunk=s.max_chunk, short=s.short),
+        prefill=PrefillBudget(
+            share=s.share, max_chunk=s.max_chunk, short=s.short, floor_s=s.floor_s
+        ),
     )
     rng = random.Random(seed)
     sent, tokens, latencies = 0, [0], []

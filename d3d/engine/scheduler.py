@@ -18,7 +18,8 @@ loop. One step reads as the algorithm::
 Prompts are read in chunks inside the same forward as the decoding rows (one flat sequence,
 :mod:`d3d.model.ragged`: the weights are read once a step), shortest prompt first, so a short
 request is not queued behind a long document; while rows decode, the chunks may make the step
-at most ``1 + share`` times as long as the rows alone (:class:`PrefillBudget`): a long prompt
+at most ``1 + share`` times as long as the rows alone, or half a second where that is more
+(:class:`PrefillBudget`): a long prompt
 costs running rows a bounded share of each step, never a whole prefill; short prompts (chats) are
 read whole, so their rows decode from the next step. A prompt prefix that
 requests share (document QA: the instruction and the document's head) is read once, on its own
@@ -63,8 +64,11 @@ class PrefillBudget:
     Every forward is fitted as ``t(n) = a + b n`` over its n new tokens (a: reading the weights,
     b: a token's compute). While rows decode (d tokens), the prompts get the largest c with
     ``t(d + c) <= (1 + share) t(d)``, i.e. ``c = share (a + b d) / b``: the decoding rows' step
-    grows by at most ``share`` (at least ``min_chunk`` tokens, so every prompt advances). With
-    nothing decoding, ``max_chunk``.
+    grows by at most ``share`` (at least ``min_chunk`` tokens, so every prompt advances), or to
+    ``floor_s`` seconds where that is more: with a few rows decoding their step is short, and a
+    share of it (~80 tokens with one row here) reads documents at a fraction of a whole
+    chunk's speed while each step still pays for reading the weights. With nothing decoding,
+    ``max_chunk``.
 
     Short prompts are read whole: the waiting prompts of at most ``short`` tokens, shortest
     first, as many as keep the step within ``burst`` tokens, even past the share. A request
@@ -82,11 +86,15 @@ class PrefillBudget:
         max_chunk: int = 512,
         short: int = 512,
         burst: int = 2048,
+        floor_s: float = 0.5,
     ):
         if share <= 0 or not 0 < min_chunk <= max_chunk:
             raise ValueError("need share > 0 and 0 < min_chunk <= max_chunk")
         if short < 0 or burst < short:
             raise ValueError("need 0 <= short <= burst")
+        if floor_s < 0:
+            raise ValueError("need floor_s >= 0")
+        self.floor_s = floor_s
         self.share, self.min_chunk, self.max_chunk = share, min_chunk, max_chunk
         self.short, self.burst = short, burst
         self.cost = LinearCost(window=64)
@@ -111,7 +119,9 @@ class PrefillBudget:
         if fit is None:
             return self.min_chunk
         a, b = fit
-        c = int(self.share * (a + b * decode_tokens) / b) // CHUNK_STEP * CHUNK_STEP
+        step = a + b * decode_tokens
+        allowed = max((1 + self.share) * step, self.floor_s)
+        c = int((allowed - step) / b) // CHUNK_STEP * CHUNK_STEP
         return max(self.min_chunk, min(self.max_chunk, c))
 
 
