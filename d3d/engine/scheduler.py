@@ -19,11 +19,11 @@ Prompts are read in chunks inside the same forward as the decoding rows (one fla
 :mod:`d3d.model.ragged`: the weights are read once a step), shortest prompt first, so a short
 request is not queued behind a long document; while rows decode, the chunks may make the step
 at most ``1 + share`` times as long as the rows alone, or half a second where that is more
-(:class:`PrefillBudget`): a long prompt
-costs running rows a bounded share of each step, never a whole prefill; short prompts (chats) are
-read whole, so their rows decode from the next step. A prompt prefix that
-requests share (document QA: the instruction and the document's head) is read once, on its own
-up to its end, and kept in the prefix cache; other rows copy it (:mod:`d3d.engine.prefixes`).
+(:class:`PrefillBudget`): a long prompt costs running rows a bounded share of each step, never
+a whole prefill; short prompts (chats) are read whole, so their rows decode from the next step.
+A prompt prefix that requests share (document QA: the instruction and the document's head) is
+read once, on its own up to its end, and kept in the prefix cache; other rows copy it
+(:mod:`d3d.engine.prefixes`).
 
 Rows keep the invariants of every mode (the KV holds the committed tokens but the last; the
 last token of every round comes from the target), so each row's greedy output is plain greedy

@@ -146,9 +146,10 @@ def _group_attention(
     """A group's attention on a CPU as two batched matmuls: q [S, Hq, T, D], k / v [S, Hkv, n,
     D], ``sees`` bool [S, 1, T, n] -> [S, Hq, T, D]. The G = Hq / Hkv query heads that share a
     key head are one matrix against it, so each key is read once, not once per query head (the
-    flash kernel's way): a decode step is bound by reading the keys; at 64 rows this
-    attention took ~0.6x the kernel's time in isolation, ~0.8x inside a step (keys from memory). Scores in float32, a row's hidden keys at -inf
-    (every query sees at least its row's first key, so no row of the softmax is empty)."""
+    flash kernel's way): a decode step is bound by reading the keys; at 64 rows this attention
+    took ~0.6x the kernel's time in isolation, ~0.8x inside a step (keys from memory). Scores in
+    float32, a row's hidden keys at -inf (every query sees at least its row's first key, so no
+    row of the softmax is empty)."""
     s, hq, t, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv

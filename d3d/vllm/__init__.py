@@ -4,8 +4,8 @@
   drafter worker, the modes and their policy are the project's own).
 - :mod:`~d3d.vllm.rows` — per-request proposers keyed by request id, resynchronised from token
   ids (engine-agnostic, tested without vLLM).
-- :mod:`~d3d.vllm.plain_steps` — steps without drafts take vLLM's plain path (its sampler, no draft
-  metadata).
+- :mod:`~d3d.vllm.plain_steps` — steps without drafts take vLLM's plain path (its sampler, no
+  draft metadata).
 - :mod:`~d3d.vllm.stats` — the proposer's figures over a Unix socket for the server.
 - :mod:`~d3d.vllm.engine` — vLLM's engine arguments from the project's model settings.
 

@@ -38,9 +38,9 @@ class StepPaths:
     speculative: int = 0
 
 
-def install(runner: object) -> StepPaths | None:
+def install(runner: object | None) -> StepPaths | None:
     """Route ``runner``'s draft-free steps through the plain path (see the module docstring).
-    Returns the counts of the paths taken, None where it was not installed."""
+    Returns the counts of the paths taken, None where it was not installed (no runner too)."""
     prepare = getattr(runner, "_prepare_inputs", None)
     if prepare is None or getattr(getattr(runner, "model_config", None), "is_hybrid", False):
         return None

@@ -165,7 +165,7 @@ class D3DProposer:
         self.sampled_speculate = not _cpu_platform()  # see the module docstring
         if self.runner is None:
             log.error("D3D proposer: vLLM's model runner not found; no drafts (vLLM changed?)")
-        self.paths = plain_steps.install(self.runner) if self.runner is not None else None
+        self.paths = plain_steps.install(self.runner)  # None where not installed
 
     # ----- vLLM's calls -----------------------------------------------------------------------
     def load_model(self, target=None) -> None:
