@@ -16,6 +16,11 @@ ids, logprobs))`` and ``("done", (i, stats))`` for each of the job's ``n`` rows 
 independent samples of one prompt, read once through the prefix cache, row i seeded with
 ``seed + i``). Cancelling a job (client gone, timeout) drops its rows before the next step. A request the KV budget can never
 hold is refused with 413 naming the limit; one that does not fit now waits for running rows.
+
+The engine thread shares the interpreter with the event loop (and the reader): every torch op
+lets go of the GIL, and taking it back waits, when another thread holds it, until Python asks
+that thread to hand it on, 5 ms by default. :meth:`EngineWorker.start` shortens that to
+:data:`SWITCH_S` for the process (measured, 16 streaming clients: +3.8 %, 64: +1 %).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import copy
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +43,8 @@ from d3d.config import SamplingConfig
 from d3d.engine import GenRequest, KvLimitError, PrefillBudget, Scheduler
 
 log = logging.getLogger("app.worker")
+
+SWITCH_S = 0.0005  # the GIL's hand-over interval while the engine runs (module docstring)
 
 __all__ = ["EngineWorker", "Job", "Models", "Prepared", "admit", "build_prompt", "load_engine"]
 
@@ -180,6 +188,7 @@ class EngineWorker:
         ask)."""
         with self._start_lock:
             if self._thread is None:
+                sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))
                 self._thread = threading.Thread(target=self._run, name="d3d-engine", daemon=True)
                 self._thread.start()
                 self._reader = threading.Thread(target=self._read, name="d3d-reader", daemon=True)

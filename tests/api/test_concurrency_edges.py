@@ -3,12 +3,14 @@ client disconnect. The worker is paused deterministically (it stops taking jobs)
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from app.worker import SWITCH_S
 from tests.api.conftest import tiny_server
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 4}
@@ -125,3 +127,10 @@ def test_a_prompt_the_kv_budget_can_never_hold_is_refused_and_the_server_goes_on
         assert srv.worker.model_info["max_kv_tokens"] == 256
     finally:
         srv.stop()
+
+
+def test_the_engine_thread_gets_the_gil_back_within_the_short_interval(tiny):
+    # The engine thread and the event loop share the GIL; Python's 5 ms default hand-over
+    # made every step wait behind the streaming (app.worker's docstring).
+    assert tiny.worker.state == "ready"
+    assert sys.getswitchinterval() <= SWITCH_S
