@@ -313,9 +313,10 @@ class VllmWorker:
                         job.put("tokens", (i, ids, lps))
                     if o.finish_reason:
                         reasons[i] = STOP_REASONS.get(o.finish_reason, o.finish_reason)
+            d3d = await self._d3d_stats(loop, rid, job.mode)
             for i in range(job.n):
                 stats = self._stats(
-                    rid, job, len(prepared.prompt_ids), counts[i], reasons[i], t0, first_at
+                    d3d, job, len(prepared.prompt_ids), counts[i], reasons[i], t0, first_at
                 )
                 self.metrics.observe_stats(stats if i == 0 else {**stats, "prompt_tokens": 0})
                 job.put("done", (i, stats))
@@ -346,11 +347,19 @@ class VllmWorker:
         self.metrics.queue_depth.set(self._waiting)
         self.metrics.running.set(self._running)
 
-    def _stats(self, rid, job, prompt_n, n, reason, t0, first_at) -> dict:
+    async def _d3d_stats(self, loop, rid: str, mode: str) -> dict | None:
+        """The proposer's figures for a finished request, asked off the event loop (a round
+        trip to vLLM's busy runner process would hold up every stream); none for ``ar``
+        (the proposer keeps no record of it)."""
+        if not self._info.get("drafter") or mode == "ar":
+            return None
+        out = await loop.run_in_executor(None, self.stats.ask, "request", rid)
+        return out if isinstance(out, dict) else None
+
+    def _stats(self, d3d, job, prompt_n, n, reason, t0, first_at) -> dict:
         now = time.perf_counter()
         decode_s = now - first_at if first_at is not None else 0.0
-        d3d = self.stats.ask("request", rid) if self._info.get("drafter") else None
-        stats = dict(d3d) if isinstance(d3d, dict) else {}
+        stats = dict(d3d) if d3d else {}
         stats.update(
             mode=job.mode,
             prompt_tokens=prompt_n,
