@@ -16,7 +16,10 @@ Every answer is compared with the same prompt's answer on ``vllm`` (greedy vLLM 
 drafts): the D3D modes must match it exactly; the own engine and ``ngram`` are reported. With
 ``--repeats R`` the pairs ``vllm`` / ``d3d-auto`` are measured R times alternately at each short
 level (both servers up, one measured at a time) and the medians' ratio is reported: the check
-that ``auto`` costs nothing where speculation does not pay. Writes ``OUT/compare.json``,
+that ``auto`` costs nothing where speculation does not pay. ``--split`` adds two arms to that
+alternation, to say where a shortfall comes from: ``d3d-nodraft`` (``d3d serve --engine vllm
+--drafter none``: the project's front on vLLM with no speculative configuration) and ``d3d-ar``
+(the D3D server, requests in ``ar``: the speculative configuration, no drafts). Writes ``OUT/compare.json``,
 ``OUT/compare.md`` and ``OUT/compare.png``.
 
 Usage: python -m eval.vllm_compare --out eval/results/vllm_compare
@@ -151,20 +154,23 @@ def identical(a: dict, ref: dict) -> tuple[int, int]:
 
 
 def alternate(urls: dict[str, str], levels: list[int], repeats: int, max_tokens: int) -> dict:
-    """``vllm`` and ``d3d-auto`` measured alternately ``repeats`` times per level."""
+    """Each server of ``urls`` (``vllm``, ``d3d-auto`` and any others) measured alternately
+    ``repeats`` times per level; ratios of medians against ``vllm``."""
     out: dict = {}
     for c in levels:
         runs: dict[str, list[float]] = {name: [] for name in urls}
         for _ in range(repeats):
             for name, url in urls.items():
-                mode = "auto" if name == "d3d-auto" else None
+                mode = {"d3d-auto": "auto", "d3d-ar": "ar"}.get(name)
                 lv = asyncio.run(
                     level(url, PROMPTS, c, per_client(c, len(PROMPTS)), max_tokens, mode)
                 )
                 runs[name].append(lv["tokens_per_s"])
         med = {name: statistics.median(v) for name, v in runs.items()}
-        out[str(c)] = {"runs": runs, "median": med, "ratio": med["d3d-auto"] / med["vllm"]}
-        print(f"  alternating at {c}: auto / vllm = {out[str(c)]['ratio']:.3f} {runs}", flush=True)
+        ratios = {name: m / med["vllm"] for name, m in med.items() if name != "vllm"}
+        out[str(c)] = {"runs": runs, "median": med, "ratio": ratios["d3d-auto"], "ratios": ratios}
+        shown = ", ".join(f"{n} {r:.3f}" for n, r in ratios.items())
+        print(f"  alternating at {c}, against vllm: {shown} {runs}", flush=True)
     return out
 
 
@@ -195,9 +201,15 @@ def report(out: Path, results: dict, meta: dict) -> None:
     alt = meta.get("alternating")
     text = f"Command: `{meta['command']}`\n\n" + "\n".join(rows) + "\n"
     if alt:
-        text += "\nAlternating repeats (medians, tok/s):\n\n| clients | vllm | d3d-auto | ratio |\n|---:|---:|---:|---:|\n"
+        names = list(next(iter(alt.values()))["median"])
+        text += "\nAlternating repeats (medians, tok/s; x: against vllm):\n\n"
+        text += "| clients | " + " | ".join(names) + " |\n|---:" + "|---:" * len(names) + "|\n"
         for c, a in alt.items():
-            text += f"| {c} | {a['median']['vllm']:.1f} | {a['median']['d3d-auto']:.1f} | {a['ratio']:.3f} |\n"
+            cells = [
+                f"{a['median'][n]:.1f}" + (f" ({a['ratios'][n]:.3f}x)" if n != "vllm" else "")
+                for n in names
+            ]
+            text += f"| {c} | " + " | ".join(cells) + " |\n"
     (out / "compare.md").write_text(text)
     slim = {
         n: {k: {kk: vv for kk, vv in lv.items() if kk != "texts"} for k, lv in r.items()}
@@ -232,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=0, help="alternate vllm / d3d-auto R times")
     p.add_argument("--alternate-levels", default="1,16")
+    p.add_argument(
+        "--split", action="store_true", help="alternate d3d-nodraft and d3d-ar too (see above)"
+    )
     p.add_argument("--port", type=int, default=8951)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -266,10 +281,26 @@ def main(argv: list[str] | None = None) -> int:
             for name in d3d_modes:
                 run(name, srv.url, name.removeprefix("d3d-"))
             if args.repeats:
-                with vllm_server(args.port + 4, out / "vllm-alt.log") as plain:
+                with contextlib.ExitStack() as more:
+                    plain = more.enter_context(vllm_server(args.port + 4, out / "vllm-alt.log"))
+                    urls = {"vllm": plain, "d3d-auto": srv.url}
+                    if args.split:
+                        nodraft = more.enter_context(
+                            served(
+                                [*d3d_flags, "--engine", "vllm", "--drafter", "none"],
+                                args.port + 5,
+                                out / "d3d-nodraft.log",
+                            )
+                        )
+                        urls = {
+                            "vllm": plain,
+                            "d3d-nodraft": nodraft.url,
+                            "d3d-ar": srv.url,
+                            "d3d-auto": srv.url,
+                        }
+                        wait_ready(nodraft.url)
                     wait_ready(srv.url)
                     alt = [int(x) for x in args.alternate_levels.split(",")]
-                    urls = {"vllm": plain, "d3d-auto": srv.url}
                     meta["alternating"] = alternate(urls, alt, args.repeats, args.max_tokens)
     report(out, results, meta)
     print((out / "compare.md").read_text())
