@@ -19,8 +19,8 @@ level (both servers up, one measured at a time) and the medians' ratio is report
 that ``auto`` costs nothing where speculation does not pay. ``--split`` adds two arms to that
 alternation, to say where a shortfall comes from: ``d3d-nodraft`` (``d3d serve --engine vllm
 --drafter none``: the project's front on vLLM with no speculative configuration) and ``d3d-ar``
-(the D3D server, requests in ``ar``: the speculative configuration, no drafts). Writes ``OUT/compare.json``,
-``OUT/compare.md`` and ``OUT/compare.png``.
+(the D3D server, requests in ``ar``: the speculative configuration, no drafts). Writes
+``OUT/compare.json``, ``OUT/compare.md`` and ``OUT/compare.png``.
 
 Usage: python -m eval.vllm_compare --out eval/results/vllm_compare
 (it times: run it with nothing else busy on the machine).
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.repeats:
                 with contextlib.ExitStack() as more:
                     plain = more.enter_context(vllm_server(args.port + 4, out / "vllm-alt.log"))
-                    urls = {"vllm": plain, "d3d-auto": srv.url}
+                    urls = {"vllm": plain}
                     if args.split:
                         nodraft = more.enter_context(
                             served(
@@ -292,13 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                                 out / "d3d-nodraft.log",
                             )
                         )
-                        urls = {
-                            "vllm": plain,
-                            "d3d-nodraft": nodraft.url,
-                            "d3d-ar": srv.url,
-                            "d3d-auto": srv.url,
-                        }
+                        urls |= {"d3d-nodraft": nodraft.url, "d3d-ar": srv.url}
                         wait_ready(nodraft.url)
+                    urls["d3d-auto"] = srv.url
                     wait_ready(srv.url)
                     alt = [int(x) for x in args.alternate_levels.split(",")]
                     meta["alternating"] = alternate(urls, alt, args.repeats, args.max_tokens)
