@@ -6,6 +6,8 @@
   ids (engine-agnostic, tested without vLLM).
 - :mod:`~d3d.vllm.plain_steps` — steps without drafts take vLLM's plain path (its sampler, no
   draft metadata).
+- :mod:`~d3d.vllm.draft_fetch` — vLLM's engine core asks for drafts only after a step that made
+  some (a vLLM general plugin, and the one-byte flag the proposer writes).
 - :mod:`~d3d.vllm.stats` — the proposer's figures over a Unix socket for the server.
 - :mod:`~d3d.vllm.engine` — vLLM's engine arguments from the project's model settings.
 

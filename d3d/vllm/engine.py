@@ -7,18 +7,22 @@ folder under ``~/.cache/d3d``), the dtype (``auto``: bf16 on CUDA, fp32 on a CPU
 engine), the KV budget in bytes, and the D3D proposer as vLLM's ``custom_class`` speculative
 method with K = block size - 1 (None for ``drafter="none"``: vLLM alone). :func:`prepare_env`
 sets the variables the proposer reads in vLLM's model-runner process (``D3D_TARGET``,
-``D3D_DRAFTER``, ``D3D_DRAFTER_DEVICE``, ...), which inherits this process's environment, and on
-a CPU host lets vLLM compute on every core (its default reserves one for its front end) unless
-the caller set ``VLLM_CPU_*`` already.
+``D3D_DRAFTER``, ``D3D_DRAFTER_DEVICE``, ..., and the path of the flag by which the engine core
+skips empty draft round trips: :mod:`d3d.vllm.draft_fetch`), which inherits this process's
+environment, and on a CPU host lets vLLM compute on every core (its default reserves one for its
+front end) unless the caller set ``VLLM_CPU_*`` already.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+import uuid
 from pathlib import Path
 
 from d3d.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from d3d.model.load import DEFAULT_SPECS, embedded_default_dir
+from d3d.vllm import draft_fetch
 
 PROPOSER = "d3d.vllm.D3DProposer"
 NO_DRAFTER = ("none", "off", "")
@@ -87,6 +91,8 @@ def prepare_env(cfg: ModelConfig, mode: str = "auto", stats_path: str | None = N
         env["D3D_DRAFTER_DEVICE"] = cfg.drafter_device
     if stats_path:
         env["D3D_VLLM_STATS"] = stats_path
+    name = f"d3d-drafted-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per engine
+    env[draft_fetch.ENV] = os.path.join(tempfile.gettempdir(), name)
     if not cfg.target_device.startswith("cuda"):
         cores = sorted(os.sched_getaffinity(0))
         contiguous = cores == list(range(cores[0], cores[-1] + 1))

@@ -30,7 +30,9 @@ the proposer drafts for greedy requests only and sampled ones decode plainly (ex
 (vLLM's Triton kernels) sampled requests speculate too.
 
 A step in which no row drafts (every ``ar`` row, ``auto`` where speculation does not pay) takes
-vLLM's plain path, not its speculative one with nothing to verify (:mod:`d3d.vllm.plain_steps`).
+vLLM's plain path, not its speculative one with nothing to verify (:mod:`d3d.vllm.plain_steps`),
+and vLLM's engine core does not ask for its (empty) drafts after it (:mod:`d3d.vllm.draft_fetch`;
+the totals count the round trips made, ``draft_fetches``).
 
 A failure of the drafter (dead, hung, garbage) costs a request its speculation, never its
 answer: the proposer returns no draft for it, and any error inside this adapter returns no draft
@@ -55,7 +57,7 @@ from d3d.decoding.policy import HostCosts
 from d3d.decoding.stats import DecodeStats
 from d3d.engine.loading import DrafterFactory
 from d3d.engine.placement import parse_cores
-from d3d.vllm import plain_steps
+from d3d.vllm import draft_fetch, plain_steps
 from d3d.vllm.rows import RequestRows, RowView
 from d3d.vllm.stats import StatsServer
 from d3d.worker.modes import MODES, ModeKit
@@ -166,6 +168,8 @@ class D3DProposer:
         if self.runner is None:
             log.error("D3D proposer: vLLM's model runner not found; no drafts (vLLM changed?)")
         self.paths = plain_steps.install(self.runner)  # None where not installed
+        self.fetches = draft_fetch.count_fetches(self.runner)
+        self.flag: draft_fetch.DraftFlag | None = None
 
     # ----- vLLM's calls -----------------------------------------------------------------------
     def load_model(self, target=None) -> None:
@@ -202,6 +206,12 @@ class D3DProposer:
             copies=self._copies if self.settings.copy else None,
         )
         self.rows = RequestRows(self._make, self.link.flush, self.k, totals=self.totals)
+        flag_path = os.environ.get(draft_fetch.ENV)
+        if flag_path:
+            try:
+                self.flag = draft_fetch.DraftFlag(flag_path, writer=True)
+            except OSError:
+                log.exception("D3D proposer: no draft flag; vLLM fetches drafts every step")
         if self.settings.stats_path:
             self.stats_server = StatsServer(self.settings.stats_path, self._answer)
         atexit.register(self.close)
@@ -214,11 +224,16 @@ class D3DProposer:
         if self.rows is None:
             return [[] for _ in range(n)]
         try:
-            return self.rows.step(self._views(sampled_token_ids, num_tokens_no_spec, token_ids_cpu))
+            drafts = self.rows.step(
+                self._views(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            )
         except Exception:  # never fail vLLM's step: this step goes without drafts
             self.errors += 1
             log.exception("D3D proposer: a step failed; no drafts this step")
-            return [[] for _ in range(n)]
+            drafts = [[] for _ in range(n)]
+        if self.flag is not None:
+            self.flag.set(any(drafts))
+        return drafts
 
     # ----- helpers ----------------------------------------------------------------------------
     def _views(self, sampled, num_tokens, token_ids) -> list[RowView]:
@@ -266,6 +281,8 @@ class D3DProposer:
             if self.paths is not None:
                 out["plain_steps"] = self.paths.plain
                 out["speculative_steps"] = self.paths.speculative
+            if self.fetches is not None:
+                out["draft_fetches"] = self.fetches[0]
             return out
         raise ValueError(f"unknown question {kind!r}")
 
@@ -276,3 +293,5 @@ class D3DProposer:
             self.supervisor.close()
         if self.stats_server is not None:
             self.stats_server.close()
+        if self.flag is not None:
+            self.flag.close()

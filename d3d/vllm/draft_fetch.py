@@ -1,0 +1,148 @@
+"""vLLM's engine core asks the model runner for drafts only after a step that made some.
+
+With a speculative configuration and synchronous scheduling (always, for a ``custom_class``
+proposer; vLLM's CPU platform schedules synchronously whatever the method), vLLM 0.32's engine
+core follows every step with one more round trip to its model-runner process,
+``take_draft_token_ids``, to hand the proposer's drafts to its scheduler. Measured on this CPU
+(``vllm.LLM``, a proposer that never drafts, plain steps installed): that round trip
+(``EngineCore.post_step``) is 0.4-1.0 ms a step, and everything else the configuration adds is
+within noise. ``auto`` drafts nothing where speculation does not pay, and ``ar`` never drafts, so
+most of those round trips fetched nothing.
+
+Two halves, one per process:
+
+- :class:`DraftFlag`, in the runner's process: the proposer writes one byte to a file after
+  every call, 1 when some row of the step got a draft, 0 when none did (rank 0 only, which is
+  where vLLM takes the drafts from). It is written before vLLM's runner answers the step, so the
+  engine core, which reads it after that answer, sees this step's value.
+- :func:`register`, vLLM's general plugin (entry point ``vllm.general_plugins``, loaded in every
+  vLLM process): in the engine core it wraps ``EngineCore.post_step`` so that the round trip is
+  skipped when the byte is 0. Only an engine whose speculative method is the D3D proposer, with
+  the flag's path in ``D3D_VLLM_DRAFT_FLAG`` (set by :func:`d3d.vllm.engine.prepare_env`), one
+  data-parallel rank and the pinned vLLM version is touched; every other engine (vLLM alone in
+  the same environment) keeps vLLM's own ``post_step``.
+
+Skipping is lossless: the scheduler clears a request's drafts once it has scheduled them, so a
+step with no drafts to hand over leaves it exactly as the round trip would have. A flag that
+cannot be read (not written yet, gone) counts as "drafted" (the round trip happens); a stale 0
+could only cost a step its drafts, never an answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+ENV = "D3D_VLLM_DRAFT_FLAG"
+
+
+class DraftFlag:
+    """One byte in a file at ``path``: did the last step give any row a draft."""
+
+    def __init__(self, path: str, *, writer: bool = False):
+        self.path = path
+        self.writer = writer
+        self.fd: int | None = None
+        if writer:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.pwrite(self.fd, b"\x01", 0)
+
+    def set(self, drafted: bool) -> None:
+        """Write this step's value (the writer's side); a failed write closes the flag."""
+        if self.fd is None:
+            return
+        try:
+            os.pwrite(self.fd, b"\x01" if drafted else b"\x00", 0)
+        except OSError:
+            log.exception("D3D draft flag: write failed; the engine core keeps its round trip")
+            self.close()
+
+    def drafted(self) -> bool:
+        """The last step's value (the reader's side); True when it cannot be read."""
+        if self.fd is None:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                return True
+        try:
+            return os.pread(self.fd, 1, 0) != b"\x00"
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        if self.writer:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+def count_fetches(runner: object | None) -> list[int] | None:
+    """Count the runner's ``take_draft_token_ids`` calls (the round trips made) in a one-item
+    list; None where the runner has no such method."""
+    take = getattr(runner, "take_draft_token_ids", None)
+    if take is None:
+        return None
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return take(*args, **kwargs)
+
+    runner.take_draft_token_ids = counted  # type: ignore[attr-defined]
+    return calls
+
+
+def skip_empty(post_step):
+    """``EngineCore.post_step`` that skips the draft round trip after a step without drafts."""
+
+    def wrapped(core, model_executed: bool) -> None:
+        flag = core.__dict__.get("_d3d_draft_flag", False)
+        if flag is False:
+            flag = core.__dict__["_d3d_draft_flag"] = flag_for(core)
+        if flag is not None and model_executed and not flag.drafted():
+            return None
+        return post_step(core, model_executed)
+
+    wrapped.__wrapped__ = post_step  # type: ignore[attr-defined]
+    wrapped.__doc__ = post_step.__doc__
+    return wrapped
+
+
+def flag_for(core) -> DraftFlag | None:
+    """The flag an engine core reads, None where its ``post_step`` stays vLLM's own."""
+    from d3d.vllm.engine import PROPOSER
+
+    path = os.environ.get(ENV)
+    cfg = getattr(core, "vllm_config", None)
+    spec = getattr(cfg, "speculative_config", None)
+    if not path or spec is None or spec.method != "custom_class" or spec.model != PROPOSER:
+        return None
+    if getattr(core, "async_scheduling", False) or cfg.parallel_config.data_parallel_size > 1:
+        return None  # async: vLLM takes drafts in the runner; several ranks: one flag each
+    log.info("D3D: draft round trips only after steps with drafts (flag %s)", path)
+    return DraftFlag(path)
+
+
+def register() -> None:
+    """vLLM's general plugin: wrap ``EngineCore.post_step`` (see the module docstring)."""
+    if not os.environ.get(ENV):
+        return
+    import vllm
+    from vllm.v1.engine.core import EngineCore
+
+    from d3d.vllm import VLLM_VERSION
+
+    if getattr(EngineCore.post_step, "__wrapped__", None) is not None:
+        return  # loaded twice in one process
+    if vllm.__version__.split("+")[0] != VLLM_VERSION:
+        log.warning(
+            "D3D: vLLM %s is not %s; post_step left as it is", vllm.__version__, VLLM_VERSION
+        )
+        return
+    EngineCore.post_step = skip_empty(EngineCore.post_step)
