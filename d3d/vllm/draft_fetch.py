@@ -19,8 +19,8 @@ Two halves, one per process:
   vLLM process): in the engine core it wraps ``EngineCore.post_step`` so that the round trip is
   skipped when the byte is 0. Only an engine whose speculative method is the D3D proposer, with
   the flag's path in ``D3D_VLLM_DRAFT_FLAG`` (set by :func:`d3d.vllm.engine.prepare_env`), one
-  data-parallel rank and the pinned vLLM version is touched; every other engine (vLLM alone in
-  the same environment) keeps vLLM's own ``post_step``.
+  data-parallel rank and the pinned vLLM version skips; for every other engine (vLLM alone in
+  the same environment) the wrapper calls vLLM's own ``post_step`` at every step.
 
 Skipping is lossless: the scheduler clears a request's drafts once it has scheduled them, so a
 step with no drafts to hand over leaves it exactly as the round trip would have. A flag that
@@ -37,6 +37,7 @@ import os
 log = logging.getLogger(__name__)
 
 ENV = "D3D_VLLM_DRAFT_FLAG"
+MARK = "_d3d_skips_empty_drafts"
 
 
 class DraftFlag:
@@ -109,7 +110,7 @@ def skip_empty(post_step):
             return None
         return post_step(core, model_executed)
 
-    wrapped.__wrapped__ = post_step  # type: ignore[attr-defined]
+    setattr(wrapped, MARK, True)
     wrapped.__doc__ = post_step.__doc__
     return wrapped
 
@@ -130,19 +131,20 @@ def flag_for(core) -> DraftFlag | None:
 
 
 def register() -> None:
-    """vLLM's general plugin: wrap ``EngineCore.post_step`` (see the module docstring)."""
-    if not os.environ.get(ENV):
-        return
+    """vLLM's general plugin: wrap ``EngineCore.post_step`` (see the module docstring). The
+    wrapper decides per engine, at its first step, from that process's environment: vLLM may
+    load its plugins in a process before the flag's path is set and fork its engine core after."""
     import vllm
     from vllm.v1.engine.core import EngineCore
 
     from d3d.vllm import VLLM_VERSION
 
-    if getattr(EngineCore.post_step, "__wrapped__", None) is not None:
+    if getattr(EngineCore.post_step, MARK, False):
         return  # loaded twice in one process
     if vllm.__version__.split("+")[0] != VLLM_VERSION:
-        log.warning(
-            "D3D: vLLM %s is not %s; post_step left as it is", vllm.__version__, VLLM_VERSION
-        )
+        if os.environ.get(ENV):
+            log.warning(
+                "D3D: vLLM %s is not %s; its post_step kept", vllm.__version__, VLLM_VERSION
+            )
         return
     EngineCore.post_step = skip_empty(EngineCore.post_step)

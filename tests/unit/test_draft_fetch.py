@@ -74,8 +74,3 @@ def test_other_engines_keep_vllms_post_step(tmp_path, monkeypatch):
     writer_absent, calls = core()
     skip_empty(type(writer_absent).post_step)(writer_absent, True)
     assert calls == [True]
-
-
-def test_the_plugin_is_a_no_op_without_the_flags_path(monkeypatch):
-    monkeypatch.delenv(draft_fetch.ENV, raising=False)
-    assert draft_fetch.register() is None
