@@ -47,16 +47,19 @@ class DraftFlag:
         self.path = path
         self.writer = writer
         self.fd: int | None = None
+        self.written = True
         if writer:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.pwrite(self.fd, b"\x01", 0)
 
     def set(self, drafted: bool) -> None:
-        """Write this step's value (the writer's side); a failed write closes the flag."""
-        if self.fd is None:
+        """Write this step's value (the writer's side) when it changed; a failed write closes
+        the flag."""
+        if self.fd is None or drafted == self.written:
             return
         try:
             os.pwrite(self.fd, b"\x01" if drafted else b"\x00", 0)
+            self.written = drafted
         except OSError:
             log.exception("D3D draft flag: write failed; the engine core keeps its round trip")
             self.close()
