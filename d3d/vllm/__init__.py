@@ -17,6 +17,7 @@ not a stable interface.
 """
 
 VLLM_VERSION = "0.32.0"
+PROPOSER = "d3d.vllm.D3DProposer"  # the custom_class path vLLM loads
 
 
 def __getattr__(name: str):

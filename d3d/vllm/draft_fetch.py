@@ -120,7 +120,7 @@ def skip_empty(post_step):
 
 def flag_for(core) -> DraftFlag | None:
     """The flag an engine core reads, None where its ``post_step`` stays vLLM's own."""
-    from d3d.vllm.engine import PROPOSER
+    from d3d.vllm import PROPOSER
 
     path = os.environ.get(ENV)
     cfg = getattr(core, "vllm_config", None)

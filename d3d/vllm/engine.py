@@ -22,9 +22,8 @@ from pathlib import Path
 
 from d3d.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from d3d.model.load import DEFAULT_SPECS, embedded_default_dir
-from d3d.vllm import draft_fetch
+from d3d.vllm import PROPOSER, draft_fetch
 
-PROPOSER = "d3d.vllm.D3DProposer"
 NO_DRAFTER = ("none", "off", "")
 
 
