@@ -77,6 +77,12 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
         help="keep float32 CPU linear maps in PyTorch's own layout (default: prepacked for "
         "oneDNN, faster decode steps, verify forwards and prefill)",
     )
+    g.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="run a CPU target's RMSNorm and rotary embedding in PyTorch's own ops (default: "
+        "vLLM's one-pass CPU kernels where vLLM's CPU build is installed)",
+    )
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -88,6 +94,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         dtype=args.dtype,
         threads=args.threads,
         pack=False if getattr(args, "no_pack", False) else None,
+        fuse=False if getattr(args, "no_fuse", False) else None,
         costs_dir=_costs_dir(args),
         max_kv_tokens=getattr(args, "max_kv_tokens", None),
         prefix_cache=getattr(args, "prefix_cache", None),

@@ -25,6 +25,11 @@ def _check(cond: bool, name: str, message: str) -> None:
         raise ConfigError(f"{name}: {message}")
 
 
+def _flag(value: str) -> bool:
+    """An on/off environment setting: off for 0, false, no, off."""
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target's next-token distribution is turned into tokens.
@@ -188,6 +193,9 @@ class ModelConfig:
     dtype: str = "auto"
     threads: int | None = None
     pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.model.packing)
+    fuse: bool = (
+        True  # vLLM's one-pass CPU norm and rotary kernels, where installed (d3d.model.fused)
+    )
     costs_dir: str | None = None  # keep auto's measured costs here between processes
     max_kv_tokens: int | None = None  # the target's KV budget (None: from free device memory)
     prefix_cache: str = "auto"  # the target's prefix-cache budget (CacheBudget.parse)
@@ -221,7 +229,8 @@ class ModelConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
-        ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps),
+        ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps), ``D3D_FUSE``
+        (``0``: no fused CPU kernels),
         ``D3D_COSTS_DIR`` (:mod:`d3d.engine.cost_memory`), ``D3D_MAX_KV_TOKENS`` and
         ``D3D_PREFIX_CACHE`` (:class:`CacheBudget`); explicit keyword overrides win when not
         None."""
@@ -233,7 +242,8 @@ class ModelConfig:
             "drafter_device": env.get("D3D_DRAFTER_DEVICE") or None,
             "dtype": env.get("D3D_DTYPE", "auto"),
             "threads": int(env["D3D_THREADS"]) if env.get("D3D_THREADS") else None,
-            "pack": env.get("D3D_PACK", "1").strip().lower() not in ("0", "false", "no", "off"),
+            "pack": _flag(env.get("D3D_PACK", "1")),
+            "fuse": _flag(env.get("D3D_FUSE", "1")),
             "costs_dir": env.get("D3D_COSTS_DIR") or None,
             "max_kv_tokens": int(env["D3D_MAX_KV_TOKENS"])
             if env.get("D3D_MAX_KV_TOKENS")

@@ -38,6 +38,7 @@ from d3d.engine.request import GenRequest, Row
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import stream
 from d3d.model.drafter import D3DDrafter, DrafterError
+from d3d.model.fused import fuse
 from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
 from d3d.model.packing import pack_linears
@@ -107,6 +108,8 @@ class Engine:
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
         if cfg.pack:
             pack_linears(target.model)
+        if cfg.fuse and cfg.target_device == "cpu":
+            fuse(target.model)  # vLLM's one-pass norm and rotary kernels (d3d.model.fused)
         drafter = (
             build_drafter(cfg.drafter, target, cfg.resolved_drafter_device, share_layers=True)
             if with_drafter

@@ -11,5 +11,6 @@
 - :mod:`~d3d.model.masks`      pure builders of 4D masks and position ids
 - :mod:`~d3d.model.memory`     bytes of weights and KV; free device memory
 - :mod:`~d3d.model.packing`    float32 CPU linear maps prepacked for oneDNN
+- :mod:`~d3d.model.fused`      vLLM's one-pass CPU kernels for RMSNorm and rotary, where installed
 - :mod:`~d3d.model.hf`         shims over transformers versions
 """

@@ -50,6 +50,7 @@ def test_the_file_names_the_configuration_not_the_folder(tmp_path):
     assert a != costs_path(ModelConfig(threads=2), tmp_path)
     assert a != costs_path(ModelConfig(threads=1, target="other/model"), tmp_path)
     assert a != costs_path(ModelConfig(threads=1, pack=False), tmp_path)
+    assert a != costs_path(ModelConfig(threads=1, fuse=False), tmp_path)
 
 
 def test_one_shot_commands_remember_costs_unless_told_not_to(tmp_path, monkeypatch):
