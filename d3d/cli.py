@@ -80,8 +80,8 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
     g.add_argument(
         "--no-fuse",
         action="store_true",
-        help="run a CPU target's RMSNorm and rotary embedding in PyTorch's own ops (default: "
-        "vLLM's one-pass CPU kernels where vLLM's CPU build is installed)",
+        help="run a CPU target in PyTorch's own kernels (default: vLLM's CPU kernels for its "
+        "RMSNorm, rotary embedding and packed linear maps where vLLM's CPU build is installed)",
     )
 
 

@@ -193,9 +193,7 @@ class ModelConfig:
     dtype: str = "auto"
     threads: int | None = None
     pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.model.packing)
-    fuse: bool = (
-        True  # vLLM's one-pass CPU norm and rotary kernels, where installed (d3d.model.fused)
-    )
+    fuse: bool = True  # vLLM's CPU kernels where installed (d3d.model.fused, .packing)
     costs_dir: str | None = None  # keep auto's measured costs here between processes
     max_kv_tokens: int | None = None  # the target's KV budget (None: from free device memory)
     prefix_cache: str = "auto"  # the target's prefix-cache budget (CacheBudget.parse)
@@ -230,7 +228,7 @@ class ModelConfig:
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
         ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps), ``D3D_FUSE``
-        (``0``: no fused CPU kernels),
+        (``0``: none of vLLM's CPU kernels),
         ``D3D_COSTS_DIR`` (:mod:`d3d.engine.cost_memory`), ``D3D_MAX_KV_TOKENS`` and
         ``D3D_PREFIX_CACHE`` (:class:`CacheBudget`); explicit keyword overrides win when not
         None."""

@@ -106,8 +106,8 @@ class Engine:
         place = placement_for(cfg)
         early = launch_process(cfg, place) if with_drafter and start_worker else None
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
-        if cfg.pack:
-            pack_linears(target.model)
+        if cfg.pack:  # with vLLM's matmul handler where its kernels are wanted and installed
+            pack_linears(target.model, vllm=cfg.fuse)
         if cfg.fuse and cfg.target_device == "cpu":
             fuse(target.model)  # vLLM's one-pass norm and rotary kernels (d3d.model.fused)
         drafter = (

@@ -9,6 +9,12 @@ lone request's decode step) the packed kernel is the slower one (torch 2.13: a o
 step 1.25-1.3x as long at one and at two threads, measured in the engine; from four rows on
 packing wins), so those inputs read the weight as stored (``SMALL``).
 
+Where vLLM's CPU build is installed, the packed copy is vLLM's oneDNN matmul handler rather than
+torch's (``create_onednn_mm``: the same library, with a primitive cached per input size): in the
+engine's forward it made 16- and 32-row decode steps 0.90-0.93x as long as torch's
+``mkldnn._linear_pointwise`` (64 rows 0.97-1.0x, prefill the same), because torch sets up each
+call's primitive anew.
+
 :func:`pack_linears` turns a model's ``nn.Linear`` modules into :class:`PackedLinear` in place
 (the same module objects: hooks, state-dict keys and ``isinstance`` checks stay as they were).
 A packed module computes the same map; its float results may differ from ``F.linear``'s in the
@@ -23,10 +29,13 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from d3d.model import fused
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +52,14 @@ def available() -> bool:
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` that computes with a oneDNN-packed copy of its weight (module docstring)."""
 
-    _packed: torch.Tensor
+    _packed: torch.Tensor | None  # torch's packed weight (None: vLLM's handler packs it)
+    _handler: Any  # vLLM's oneDNN matmul handler, or None
     _packed_version: int
 
-    def pack(self) -> None:
+    def pack(self, vllm: bool = False) -> None:
         w = self.weight.detach()
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self._handler = _vllm_handler(w) if vllm else None
+        self._packed = None if self._handler else torch.ops.mkldnn._reorder_linear_weight(w, None)
         self._packed_version = self.weight._version
 
     def _fits(self, x: torch.Tensor) -> bool:
@@ -62,6 +73,8 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= SMALL * x.shape[-1] or not self._fits(x):
             return F.linear(x, self.weight, self.bias)
+        if self._handler is not None:
+            return _vllm_ops().onednn_mm(self._handler, x, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo: dict) -> nn.Linear:
@@ -70,15 +83,34 @@ class PackedLinear(nn.Linear):
         state = {
             k: copy.deepcopy(v, memo)
             for k, v in self.__dict__.items()
-            if k not in ("_packed", "_packed_version")
+            if k not in ("_packed", "_handler", "_packed_version")
         }
         out.__setstate__(state)
         return out
 
 
-def pack_linears(model: nn.Module) -> int:
+def _vllm_ops() -> Any:
+    import vllm._custom_ops as ops
+
+    return ops
+
+
+def _vllm_handler(w: torch.Tensor) -> Any:
+    """vLLM's oneDNN matmul handler over ``w`` [N, K], or None (no vLLM CPU build, or it refuses)."""
+    if not fused.available():
+        return None
+    try:
+        ops = _vllm_ops()
+        return ops.create_onednn_mm(w.t(), 32) if ops._supports_onednn else None
+    except (ImportError, AttributeError, RuntimeError) as e:
+        log.warning("vLLM's oneDNN matmul handler is unavailable (%s); torch's packing is used", e)
+        return None
+
+
+def pack_linears(model: nn.Module, vllm: bool = False) -> int:
     """Pack every float32 CPU ``nn.Linear`` of ``model`` in place; how many were packed.
-    Nothing happens (0) where this torch build cannot pack."""
+    Nothing happens (0) where this torch build cannot pack. ``vllm``: with vLLM's matmul
+    handler where vLLM's CPU build is installed (module docstring)."""
     if not available():
         return 0
     count = 0
@@ -90,7 +122,7 @@ def pack_linears(model: nn.Module) -> int:
             continue
         module.__class__ = PackedLinear
         try:
-            module.pack()  # type: ignore[attr-defined]
+            module.pack(vllm)  # type: ignore[attr-defined]
         except RuntimeError:  # a shape or build oneDNN refuses: keep the plain map
             module.__class__ = nn.Linear
             log.warning("could not pack a %s linear map; it stays unpacked", tuple(w.shape))

@@ -4,10 +4,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.model import packing
+from d3d.model import fused, packing
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_async_lossless import PROMPTS, run
@@ -72,12 +73,34 @@ def test_a_deep_copy_is_a_plain_linear_and_other_layers_are_left_alone():
     assert twin[0].weight.data_ptr() != model[0].weight.data_ptr()
 
 
+@pytest.mark.parametrize("vllm", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_a_packed_target_decodes_losslessly(kind):
+def test_a_packed_target_decodes_losslessly(kind, vllm):
+    if vllm and not fused.available():
+        pytest.skip("vLLM's CPU kernels not installed")
     target = tiny_model(kind, seed=1)
     drafter = D3DDrafter.from_target(tiny_model(kind, seed=7), 2)
-    assert packing.pack_linears(target) > 0 and packing.pack_linears(drafter.lm) > 0
+    assert packing.pack_linears(target, vllm) > 0 and packing.pack_linears(drafter.lm) > 0
     for prompt in PROMPTS:
         ref, _ = run(target, ArProposer(), prompt)
         out, _ = run(target, SyncProposer(drafter), prompt)
         assert out == ref
+
+
+@pytest.mark.skipif(not fused.available(), reason="vLLM's CPU kernels not installed")
+def test_vllms_matmul_handler_computes_the_same_map_and_is_not_copied(monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    assert packing.pack_linears(nn.Sequential(lin), vllm=True) == 1
+    assert lin._handler is not None and lin._packed is None
+    calls = []
+    ops = packing._vllm_ops()
+    real = ops.onednn_mm
+    monkeypatch.setattr(ops, "onednn_mm", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, packing.SMALL + 1, 16):
+            x = torch.randn(1, rows, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert len(calls) == 2  # one row reads the stored weight
+    twin = copy.deepcopy(lin)
+    assert type(twin) is nn.Linear and not hasattr(twin, "_handler")
