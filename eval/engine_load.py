@@ -14,6 +14,9 @@ chunks; ``floor_s``: the budget's default where left out), and the settings run 
 all of them alike. Prints output tok/s, steps and median latency per run, the median per setting,
 and writes them to ``--out``.
 
+The target loads as ``d3d serve`` loads it, environment included (``D3D_FUSE=0``: without
+vLLM's CPU kernels, ``D3D_PACK=0``: unpacked linear maps).
+
 Usage:
     python -m eval.engine_load --clients 64 --requests 64 --settings 2:64:512:0,2:64:512:512
 """
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="eval/results/engine_load.json")
     args = p.parse_args(argv)
     settings = [Setting.parse(x) for x in args.settings.split(",")]
-    engine = Engine.from_config(ModelConfig(target=args.target), with_drafter=False)
+    engine = Engine.from_config(ModelConfig.from_env(target=args.target), with_drafter=False)
     runs = []
     for rep in range(args.repeats):
         for s in settings:
