@@ -81,7 +81,8 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
         "--no-fuse",
         action="store_true",
         help="run a CPU target in PyTorch's own kernels (default: vLLM's CPU kernels for its "
-        "RMSNorm, rotary embedding and packed linear maps where vLLM's CPU build is installed)",
+        "RMSNorm, rotary embedding, attention and packed linear maps where vLLM's CPU build is "
+        "installed)",
     )
 
 

@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from d3d.engine.slabs import GROW, KvRow, SlabStore, next_capacity, round_up
+from d3d.model.cpu_attention import paged_attention
 from d3d.model.memory import free_bytes, head_dim, kv_bytes_per_token, kv_heads, kv_token_bytes
 from d3d.model.ragged import Group, Ragged, RaggedCache
 
@@ -69,6 +70,7 @@ class RowKV(RaggedCache):
         dtype: torch.dtype,
         device: torch.device | str,
         max_tokens: int,
+        keys_t: bool = False,
     ):
         super().__init__(num_layers)
         if max_tokens < 1:
@@ -79,7 +81,7 @@ class RowKV(RaggedCache):
         self.reserved = 0
         self.rows: list[KvRow] = []  # open rows
         self.store = SlabStore(
-            (num_layers, kv_heads, head_dim), dtype, self.device, bound=self.bound_tokens
+            (num_layers, kv_heads, head_dim), dtype, self.device, self.bound_tokens, keys_t
         )
         self._writes: list[tuple[Group, torch.Tensor, torch.Tensor]] = []  # (group, slots, at)
 
@@ -88,7 +90,15 @@ class RowKV(RaggedCache):
         cfg = model.config
         p = next(model.parameters())
         return cls(
-            cfg.num_hidden_layers, kv_heads(cfg), head_dim(cfg), p.dtype, p.device, max_tokens
+            cfg.num_hidden_layers,
+            kv_heads(cfg),
+            head_dim(cfg),
+            p.dtype,
+            p.device,
+            max_tokens,
+            keys_t=paged_attention(
+                model
+            ),  # the layout vLLM's kernel reads (d3d.model.cpu_attention)
         )
 
     # -- the budget ----------------------------------------------------------------------------
@@ -229,6 +239,9 @@ class RowKV(RaggedCache):
         for g, slots, at in self._writes:  # one write per group of rows
             k = key_states[0].index_select(1, g.outputs).transpose(0, 1)  # [rows * T, Hkv, D]
             v = value_states[0].index_select(1, g.outputs).transpose(0, 1)
-            g.slab.k[layer_idx][slots, :, at] = k
+            if g.slab.keys_t:
+                g.slab.k[layer_idx][slots, :, :, at] = k
+            else:
+                g.slab.k[layer_idx][slots, :, at] = k
             g.slab.v[layer_idx][slots, :, at] = v
         return key_states, value_states

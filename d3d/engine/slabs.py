@@ -20,6 +20,11 @@ zeros (touching fresh memory costs the same either way) and a slot only ever hol
 wrote after, so the masked tail of a slot that attention reads is finite. The slabs are inference tensors: every method that writes them runs
 in inference mode.
 
+A store may keep its keys transposed, ``[S, Hkv, D, C]`` (``keys_t``): the layout vLLM's CPU
+attention kernel reads a block's keys in, a slot being one block
+(:mod:`d3d.model.cpu_attention`). :meth:`Slab.keys` gives the same ``[count, Hkv, n, D]`` either
+way (a view), so every other reader is unchanged.
+
 Letters: S slots, C capacity (positions per slot), Hkv KV heads, D head dim, L layers.
 """
 
@@ -70,10 +75,13 @@ class KvRow:
 class Slab:
     """The rows of one capacity (see the module docstring)."""
 
-    def __init__(self, capacity: int, shape: tuple[int, int, int], dtype, device):
+    def __init__(
+        self, capacity: int, shape: tuple[int, int, int], dtype, device, keys_t: bool = False
+    ):
         self.capacity = capacity
         self.layers, self.kv_heads, self.head_dim = shape
         self.dtype, self.device = dtype, device
+        self.keys_t = keys_t  # keys stored [S, Hkv, D, C] (module docstring)
         self.rows: list[KvRow] = []  # rows[i].slot == i
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -85,10 +93,9 @@ class Slab:
     def keys(self, layer: int, first: int, count: int, n: int):
         """Keys and values of slots ``first .. first+count-1``, positions ``0 .. n-1``:
         [count, Hkv, n, D] each, in place."""
-        return (
-            self.k[layer].narrow(0, first, count).narrow(2, 0, n),
-            self.v[layer].narrow(0, first, count).narrow(2, 0, n),
-        )
+        k = self.k[layer].narrow(0, first, count)
+        k = k.narrow(3, 0, n).transpose(2, 3) if self.keys_t else k.narrow(2, 0, n)
+        return k, self.v[layer].narrow(0, first, count).narrow(2, 0, n)
 
     @torch.inference_mode()
     def resize(self, slots: int) -> None:
@@ -98,9 +105,10 @@ class Slab:
         if slots == self.slots:
             return
         shape = (slots, self.kv_heads, self.capacity, self.head_dim)
-        make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        k = [make() for _ in range(self.layers)]
-        v = [make() for _ in range(self.layers)]
+        shape_k = (slots, self.kv_heads, self.head_dim, self.capacity) if self.keys_t else shape
+        make = lambda s: torch.zeros(s, dtype=self.dtype, device=self.device)  # noqa: E731
+        k = [make(shape_k) for _ in range(self.layers)]
+        v = [make(shape) for _ in range(self.layers)]
         if n and self.k:
             torch._foreach_copy_(
                 [t.narrow(0, 0, n) for t in k + v], [t.narrow(0, 0, n) for t in self.k + self.v]
@@ -127,8 +135,8 @@ def copy_keys(src: Slab, src_slot: int, dst: Slab, dst_slot: int, n: int) -> Non
     """Copy the first n positions of a slot's keys and values, every layer, in one call."""
     if n:
         torch._foreach_copy_(
-            [t.narrow(0, dst_slot, 1).narrow(2, 0, n) for t in dst.k + dst.v],
-            [t.narrow(0, src_slot, 1).narrow(2, 0, n) for t in src.k + src.v],
+            [k for layer in range(dst.layers) for k in dst.keys(layer, dst_slot, 1, n)],
+            [k for layer in range(src.layers) for k in src.keys(layer, src_slot, 1, n)],
         )
 
 
@@ -141,8 +149,10 @@ class SlabStore:
         dtype: torch.dtype,
         device: torch.device,
         bound: Callable[[], int],
+        keys_t: bool = False,
     ):
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.keys_t = keys_t
         self.bound = bound  # tokens the store may allocate now
         self.slabs: dict[int, Slab] = {}
 
@@ -155,7 +165,9 @@ class SlabStore:
         """Move ``row`` (with its committed keys) into the slab of ``capacity``."""
         slab = self.slabs.get(capacity)
         if slab is None:
-            slab = self.slabs[capacity] = Slab(capacity, self.shape, self.dtype, self.device)
+            slab = self.slabs[capacity] = Slab(
+                capacity, self.shape, self.dtype, self.device, self.keys_t
+            )
         if len(slab.rows) == slab.slots:
             slab.resize(slab.slots + self.room(capacity, max(slab.slots, 1)))
         old, old_slot = row.slab, row.slot

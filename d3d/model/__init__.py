@@ -12,5 +12,6 @@
 - :mod:`~d3d.model.memory`     bytes of weights and KV; free device memory
 - :mod:`~d3d.model.packing`    float32 CPU linear maps prepacked for oneDNN
 - :mod:`~d3d.model.fused`      vLLM's one-pass CPU kernels for RMSNorm and rotary, where installed
+- :mod:`~d3d.model.cpu_attention` vLLM's CPU attention kernel over the engine's slabs
 - :mod:`~d3d.model.hf`         shims over transformers versions
 """

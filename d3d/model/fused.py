@@ -19,6 +19,10 @@ what the model's own code computes (to float rounding):
   this thread (hooks on the model); any other model of the same architecture in the process keeps
   PyTorch's code, bit for bit.
 
+- where vLLM's CPU attention kernel takes the model's head shape, its attention modules are
+  marked for it (:mod:`d3d.model.cpu_attention`; the engine's KV then stores keys as the kernel
+  reads them).
+
 Either falls back to the model's own code for an input it does not fit: autograd wanted, a
 device other than the CPU, a layout the kernel does not read (partial rotary, batch rows with
 their own positions). Greedy output stays lossless by construction: every decoding mode of the
@@ -37,6 +41,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from d3d.model import cpu_attention
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,7 @@ def fuse(model: nn.Module) -> int:
     norms = [m for m in model.modules() if _is_rms_norm(m)]
     count = sum(_fuse_norm(m) for m in norms)
     count += _fuse_rotary(model)
+    count += cpu_attention.enable(model)  # vLLM's attention over the slabs (its KV: keys_t)
     if count:
         _mark_forwards(model)
         log.info("fused kernels: %d modules of %s", count, type(model).__name__)

@@ -32,13 +32,15 @@ new tokens / keys.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from d3d.model.cpu_attention import MODULE_FLAG, attend
 
 KWARG = "d3d_segments"
 SPLIT_WIDTH = 32  # on a CPU, groups this wide (prompt chunks) are attended split (docstring)
@@ -80,6 +82,7 @@ class Group:
     outputs: torch.Tensor
     mask: torch.Tensor
     rows: tuple[tuple[int, int, int], ...]
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-step, all layers
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,13 @@ def ragged_attention(
     out = torch.empty_like(query)  # the layout of [1, N, Hq, D]: the transpose below is free
     hq, d = query.shape[1], query.shape[3]
     cpu = query.device.type == "cpu"
+    paged = getattr(module, MODULE_FLAG, None) if cpu else None  # vLLM's kernel (cpu_attention)
+    if paged is not None:
+        rows = query[0].transpose(0, 1).contiguous()  # [N, Hq, D], free: query's layout
     for g in batch.groups:
+        if paged is not None and g.slab.keys_t:
+            out[0].transpose(0, 1).index_copy_(0, g.outputs, attend(rows, g, layer, scaling, paged))
+            continue
         if cpu and g.width >= SPLIT_WIDTH:
             for slot, q0, length in g.rows:
                 k, v = g.slab.keys(layer, slot, 1, length + g.width)

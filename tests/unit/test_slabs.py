@@ -12,8 +12,8 @@ from d3d.engine.slabs import FIRST, next_capacity
 from d3d.model.ragged import SPLIT_WIDTH, ragged_attention
 
 
-def make_kv(max_tokens: int = 64 * GROW, layers: int = 2) -> RowKV:
-    return RowKV(layers, 2, 4, torch.float32, "cpu", max_tokens)
+def make_kv(max_tokens: int = 64 * GROW, layers: int = 2, keys_t: bool = False) -> RowKV:
+    return RowKV(layers, 2, 4, torch.float32, "cpu", max_tokens, keys_t=keys_t)
 
 
 def fill(kv: RowKV, row, n: int, seed: int) -> torch.Tensor:
@@ -36,8 +36,9 @@ def test_next_capacity_doubles_in_grow_steps_and_stops_at_the_reservation():
     assert next_capacity(0, 5 * FIRST, 5 * FIRST) == 5 * FIRST
 
 
-def test_rows_keep_their_keys_when_others_leave_or_they_grow():
-    kv = make_kv()
+@pytest.mark.parametrize("keys_t", [False, True])  # keys stored [S, Hkv, C, D] or [S, Hkv, D, C]
+def test_rows_keep_their_keys_when_others_leave_or_they_grow(keys_t):
+    kv = make_kv(keys_t=keys_t)
     rows = [kv.open(4 * FIRST) for _ in range(5)]
     keys = [fill(kv, r, 3 + i, seed=i) for i, r in enumerate(rows)]
     assert len({id(r.slab) for r in rows}) == 1  # one capacity, one slab
@@ -112,14 +113,19 @@ def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa, widths
         assert sorted(g.width for g in batch.groups) == sorted(set(widths))  # one per width
         q = torch.randn(1, hq, n, 4)
         out = ragged_attention(Layer(), q, new_k, new_k + 1, batch)  # [1, N, Hq, D]
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        for r, s, w in zip(rows, starts, widths, strict=True):
-            k, v = r.keys(0, r.length + w)
-            mask = torch.arange(r.length + w)[None, :] <= (r.length + torch.arange(w))[:, None]
-            alone = F.scaled_dot_product_attention(
-                q[:, :, s : s + w], k, v, mask, enable_gqa=gqa
-            ).transpose(1, 2)
-            torch.testing.assert_close(out[:, s : s + w], alone, rtol=1e-5, atol=1e-6)
+        assert_each_row_alone(out, q, rows, widths, atol=1e-6)
+
+
+def assert_each_row_alone(out, q, rows, widths, atol: float) -> None:
+    """``out`` [1, N, Hq, D] holds each row's attention (q [1, Hq, N, D]) as if it were alone."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    for r, s, w in zip(rows, starts, widths, strict=True):
+        k, v = r.keys(0, r.length + w)
+        mask = torch.arange(r.length + w)[None, :] <= (r.length + torch.arange(w))[:, None]
+        alone = F.scaled_dot_product_attention(
+            q[:, :, s : s + w], k, v, mask, enable_gqa=q.shape[1] != k.shape[1]
+        ).transpose(1, 2)
+        torch.testing.assert_close(out[:, s : s + w], alone, rtol=1e-5, atol=atol)
 
 
 def test_a_new_slot_reads_as_finite():
@@ -142,3 +148,16 @@ def test_a_new_slot_reads_as_finite():
         out = ragged_attention(Layer(), torch.randn(1, 2, 2, 4), new_k, new_k, batch)
     assert batch.groups[0].n > b.length + 1  # b's slot is read past its length
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("keys_t", [False, True])
+def test_a_snapshot_loads_back_into_another_row(keys_t):
+    kv = make_kv(keys_t=keys_t)
+    row = kv.open(2 * FIRST)
+    keys = fill(kv, row, 11, seed=3)
+    twin = kv.open(2 * FIRST)
+    with torch.inference_mode():
+        kv.load(twin, kv.snapshot(row))
+        for layer in range(kv.num_layers):
+            k, v = twin.keys(layer, twin.length)
+            assert torch.equal(k, keys + layer) and torch.equal(v, keys + layer + 1)
