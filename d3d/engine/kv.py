@@ -89,6 +89,7 @@ class RowKV(RaggedCache):
     def for_model(cls, model, max_tokens: int) -> RowKV:
         cfg = model.config
         p = next(model.parameters())
+        keys_t = paged_attention(model)  # the layout vLLM's kernel reads (d3d.model.cpu_attention)
         return cls(
             cfg.num_hidden_layers,
             kv_heads(cfg),
@@ -96,9 +97,7 @@ class RowKV(RaggedCache):
             p.dtype,
             p.device,
             max_tokens,
-            keys_t=paged_attention(
-                model
-            ),  # the layout vLLM's kernel reads (d3d.model.cpu_attention)
+            keys_t,
         )
 
     # -- the budget ----------------------------------------------------------------------------
