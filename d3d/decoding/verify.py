@@ -26,6 +26,7 @@ Letters: K draft length, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +63,15 @@ def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> Acceptanc
         raise ValueError(
             f"target_argmax must have K+1={k + 1} entries, got {target_argmax.shape[0]}"
         )
-    matches = (draft == target_argmax[:k]).to(torch.int64)
-    n = int(matches.cumprod(0).sum().item())
-    tokens = [int(t) for t in draft[:n].tolist()] + [int(target_argmax[n].item())]
-    return Acceptance(num_accepted=n, tokens=tokens)
+    return greedy_accept_ids(draft.tolist(), target_argmax.tolist())
+
+
+def greedy_accept_ids(draft: Sequence[int], target_argmax: Sequence[int]) -> Acceptance:
+    """:func:`greedy_accept` over plain lists (K and K+1 ids): no tensor op at all."""
+    n = 0
+    while n < len(draft) and draft[n] == target_argmax[n]:
+        n += 1
+    return Acceptance(num_accepted=n, tokens=[*draft[:n], target_argmax[n]])
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -125,12 +131,17 @@ def accept(
     generator: torch.Generator | None = None,
     history: History | None = None,
     logprobs: int | None = None,
+    argmax: Sequence[int] | None = None,
 ) -> Acceptance:
     """One round of one row: the target's logits [K+1, V] over ``[anchor, d_1..d_K]``, the
     draft [K] and its q [K, V] (None: a deterministic draft, one-hot; ignored when greedy).
     K = 0 is a plain step: the target's own token. ``history``: the row's, when penalties or
     ``min_tokens`` apply; ``logprobs``: report each emitted token's log-probability and that
-    many alternatives (None: none)."""
+    many alternatives (None: none). ``argmax``: the logits' argmax per position where the caller
+    took it for many rows at once (used only when greedy, without history or logprobs: then
+    the logits are the processed ones)."""
+    if argmax is not None and sampling.greedy and history is None and logprobs is None:
+        return greedy_accept_ids(draft.tolist(), argmax)
     d = draft.to(logits.device)
     x = history.apply(logits, d) if history is not None else logits
     if sampling.greedy:

@@ -37,6 +37,7 @@ from d3d.engine.loading import build_drafter, check_device, placement_for
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import stream
+from d3d.model import lean
 from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.fused import fuse
 from d3d.model.load import LoadedModel, encode_prompt, load_target
@@ -110,6 +111,7 @@ class Engine:
             pack_linears(target.model, vllm=cfg.fuse)
         if cfg.fuse and cfg.target_device == "cpu":
             fuse(target.model)  # vLLM's one-pass norm and rotary kernels (d3d.model.fused)
+            lean.attach(target.model)  # and a forward of its own in them (d3d.model.lean)
         drafter = (
             build_drafter(cfg.drafter, target, cfg.resolved_drafter_device, share_layers=True)
             if with_drafter

@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from d3d.engine.slabs import GROW, KvRow, SlabStore, next_capacity, round_up
-from d3d.model.cpu_attention import paged_attention
+from d3d.model.cpu_attention import paged_attention, write
 from d3d.model.memory import free_bytes, head_dim, kv_bytes_per_token, kv_heads, kv_token_bytes
 from d3d.model.ragged import Group, Ragged, RaggedCache
 
@@ -71,6 +71,7 @@ class RowKV(RaggedCache):
         device: torch.device | str,
         max_tokens: int,
         keys_t: bool = False,
+        isa: str | None = None,
     ):
         super().__init__(num_layers)
         if max_tokens < 1:
@@ -83,13 +84,15 @@ class RowKV(RaggedCache):
         self.store = SlabStore(
             (num_layers, kv_heads, head_dim), dtype, self.device, self.bound_tokens, keys_t
         )
-        self._writes: list[tuple[Group, torch.Tensor, torch.Tensor]] = []  # (group, slots, at)
+        self.isa = isa if keys_t else None  # vLLM's kernel writes the keys (cpu_attention.write)
+        # one per group: (group, slots, positions) or, kernel-written, (group, slot * C + position)
+        self._writes: list[tuple] = []
 
     @classmethod
     def for_model(cls, model, max_tokens: int) -> RowKV:
         cfg = model.config
         p = next(model.parameters())
-        keys_t = paged_attention(model)  # the layout vLLM's kernel reads (d3d.model.cpu_attention)
+        isa = paged_attention(model)  # keys stored as vLLM's kernel reads them (cpu_attention)
         return cls(
             cfg.num_hidden_layers,
             kv_heads(cfg),
@@ -97,7 +100,8 @@ class RowKV(RaggedCache):
             p.dtype,
             p.device,
             max_tokens,
-            keys_t,
+            isa is not None,
+            isa,
         )
 
     # -- the budget ----------------------------------------------------------------------------
@@ -190,14 +194,16 @@ class RowKV(RaggedCache):
             alike.setdefault((r.slab, w), []).append((r.slot, q, r.length))
             q += w
         self._writes, self.past = [], max(r.length for r in rows)
-        groups = [self._group(slab, w, items) for (slab, w), items in alike.items()]
+        whole = len(alike) == 1  # one group: its rows are the step, in order if slots are
+        groups = [self._group(slab, w, items, whole) for (slab, w), items in alike.items()]
         return torch.cat(positions)[None, :], Ragged(groups)
 
-    def _group(self, slab, width: int, items: list[tuple[int, int, int]]) -> Group:
+    def _group(self, slab, width: int, items: list[tuple[int, int, int]], alone: bool) -> Group:
         """One attention call for the rows of ``slab`` that add ``width`` tokens each: items
         are (slot, first query, length); the call spans their slots and reads keys up to the
-        longest row's end."""
+        longest row's end. ``alone``: the step has no other group."""
         items.sort()
+        whole = alone and all(q == i * width for i, (_, q, _) in enumerate(items))
         dev = self.device
         it = torch.tensor(items, device=dev)  # [rows, 3]: slot, first query, length
         slot, q, length = it.unbind(1)
@@ -223,9 +229,14 @@ class RowKV(RaggedCache):
             (q[:, None] + t).flatten(),
             sees.view(count, 1, width, n),
             tuple(items),
+            whole,
         )
         at = (length[:, None] + t).flatten()
-        self._writes.append((group, slot.repeat_interleave(width), at))
+        slots = slot.repeat_interleave(width)
+        if self.isa is not None:
+            self._writes.append((group, slots * slab.capacity + at))
+        else:
+            self._writes.append((group, slots, at))
         return group
 
     def commit(self, row: KvRow, n: int) -> None:
@@ -235,6 +246,13 @@ class RowKV(RaggedCache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write each row's new keys [1, Hkv, T_r, D] (of [1, Hkv, N, D]) after its length.
         Returns the new keys as given: the ragged attention reads the rows' slots."""
+        if self.isa is not None:  # vLLM's kernel, one call per group
+            keys, values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            for g, at in self._writes:
+                k = keys if g.whole else keys.index_select(0, g.outputs)  # [rows * T, Hkv, D]
+                v = values if g.whole else values.index_select(0, g.outputs)
+                write(k, v, g.slab.k[layer_idx], g.slab.v[layer_idx], at, self.isa)
+            return key_states, value_states
         for g, slots, at in self._writes:  # one write per group of rows
             k = key_states[0].index_select(1, g.outputs).transpose(0, 1)  # [rows * T, Hkv, D]
             v = value_states[0].index_select(1, g.outputs).transpose(0, 1)

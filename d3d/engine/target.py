@@ -7,6 +7,11 @@ weights are read once for the step, no row is padded, and attention stays within
 every row computes what it would alone, up to floating-point summation order. Logits are
 computed only where asked (``keep``: per row, which of its positions).
 
+Where the model has a lean forward (:mod:`d3d.model.lean`: a Llama-family model on a CPU with
+vLLM's kernels), that runs instead of the model's own, once a sample of two rows over two steps
+gave the same logits both ways (to ``TOLERANCE``); otherwise it is dropped and the model's own
+forward runs.
+
 Letters: n rows, N new tokens in all, T_r one row's, V vocab.
 """
 
@@ -21,16 +26,22 @@ from transformers import PreTrainedModel
 
 from d3d.decoding.clock import WALL, Clock
 from d3d.engine.kv import KvRow, RowKV
+from d3d.model import lean
 from d3d.model.hf import with_cache
 from d3d.model.ragged import KWARG
 
 log = logging.getLogger(__name__)
 
+TOLERANCE = 1e-4  # the lean forward's sample: the largest relative difference in its logits
+
 
 class BatchTarget:
     """The target model and its per-row KV (see the module docstring)."""
 
-    def __init__(self, model: PreTrainedModel, max_kv_tokens: int, clock: Clock = WALL):
+    def __init__(
+        self, model: PreTrainedModel, max_kv_tokens: int, clock: Clock = WALL, lean: bool = True
+    ):
+        """``lean``: run the model's lean forward where it has one that passes its sample."""
         self.model = model
         self.kv = RowKV.for_model(model, max_kv_tokens)
         attn = getattr(model.config, "_attn_implementation", None)
@@ -43,6 +54,8 @@ class BatchTarget:
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.clock = clock
         self.last_seconds = 0.0
+        self.last_logits: torch.Tensor | None = None  # the last forward's, all rows': [M, V]
+        self.lean = _checked_lean(model) if lean else None
 
     @property
     def device(self) -> torch.device:
@@ -75,14 +88,57 @@ class BatchTarget:
             for b, w in enumerate(widths)
         ]
         flat = [starts[b] + i for b, w in enumerate(wanted) for i in w]
-        out = self.model(
-            input_ids=x,
-            position_ids=pos,
-            attention_mask=self._mask,
-            logits_to_keep=torch.tensor(flat or [0], device=self.device),
-            **with_cache(self.model, self.kv),
-            **{KWARG: ragged},
-        )
-        logits = out.logits[0, : len(flat)]  # [sum of kept, V]
+        kept = torch.tensor(flat or [0], device=self.device)
+        if self.lean is not None:
+            logits = self.lean(x[0], pos[0], self.kv, ragged, kept)[: len(flat)]
+        else:
+            out = self.model(
+                input_ids=x,
+                position_ids=pos,
+                attention_mask=self._mask,
+                logits_to_keep=kept,
+                **with_cache(self.model, self.kv),
+                **{KWARG: ragged},
+            )
+            logits = out.logits[0, : len(flat)]  # [sum of kept, V]
+        self.last_logits = logits
         self.last_seconds = self.clock.now() - t0
         return list(logits.split([len(w) for w in wanted]))
+
+
+def _checked_lean(model: PreTrainedModel) -> lean.LeanDecoder | None:
+    """``model``'s lean forward once a sample agrees with the model's own (module docstring)."""
+    dec = lean.of(model)
+    if dec is None or dec.checked:
+        return dec
+    if _lean_agrees(model, dec):
+        dec.checked = True
+        return dec
+    log.warning("the lean forward disagrees with %s's own; it runs its own", type(model).__name__)
+    lean.detach(model)
+    return None
+
+
+def _lean_agrees(model: PreTrainedModel, dec: lean.LeanDecoder) -> bool:
+    """Two rows over two steps (a prompt's chunk, then a few tokens), each step's logits from
+    the model's own forward and from ``dec`` over the same KV."""
+    t = BatchTarget(model, 64, lean=False)
+    rows = [t.kv.open(16), t.kv.open(16)]
+    gen = torch.Generator().manual_seed(0)
+    for widths in ((5, 3), (2, 1)):
+        ids = [torch.randint(t.vocab_size, (w,), generator=gen).tolist() for w in widths]
+        want = torch.cat(t.forward(rows, ids))
+        t.lean = dec
+        try:
+            got = torch.cat(t.forward(rows, ids))
+        except RuntimeError as e:  # a kernel refused the sample
+            log.warning("the lean forward failed a sample: %s", e)
+            return False
+        finally:
+            t.lean = None
+        scale = want.abs().max().clamp_min(1e-6)
+        if float((got - want).abs().max() / scale) > TOLERANCE:
+            return False
+        for row, w in zip(rows, widths, strict=True):
+            t.kv.commit(row, w)
+    return True

@@ -32,14 +32,15 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-MODEL_FLAG = "_d3d_paged_attention"  # on the model: its KV keeps keys transposed
+MODEL_FLAG = "_d3d_paged_attention"  # on the model: the kernel's ISA (its KV keeps keys transposed)
 MODULE_FLAG = "_d3d_paged_isa"  # on each attention module: the kernel's ISA
 TOLERANCE = 1e-4
 
 
-def paged_attention(model: nn.Module) -> bool:
-    """Whether ``model``'s attention runs in vLLM's kernel (its KV must store keys transposed)."""
-    return bool(getattr(model, MODEL_FLAG, False))
+def paged_attention(model: nn.Module) -> str | None:
+    """The ISA of vLLM's kernel that runs ``model``'s attention (its KV must then store keys
+    transposed, and :func:`write` writes them), or None."""
+    return getattr(model, MODEL_FLAG, None)
 
 
 def enable(model: nn.Module) -> int:
@@ -57,7 +58,7 @@ def enable(model: nn.Module) -> int:
         return 0
     for m in layers:
         setattr(m, MODULE_FLAG, isa)
-    setattr(model, MODEL_FLAG, True)
+    setattr(model, MODEL_FLAG, isa)
     return len(layers)
 
 
@@ -112,13 +113,26 @@ def attend(
     """One group's attention: query [N, Hq, D] (the step's, in place) -> [M * T, Hq, D] for the
     group's rows in slot order (their queries' positions: ``group.outputs``)."""
     d = query.shape[-1]
-    memo = group.memo
-    if "all" not in memo:  # the group's rows are the whole step, in query order: no gather
-        n = query.shape[0]
-        memo["all"] = group.outputs.numel() == n and bool((group.outputs == torch.arange(n)).all())
-    q = query if memo["all"] else query.index_select(0, group.outputs)
+    q = query if group.whole else query.index_select(0, group.outputs)
     k, v = group.slab.k[layer], group.slab.v[layer]
-    return _run(q, k, v, group.rows, group.width, scale or d**-0.5, isa, memo)
+    return _run(q, k, v, group.rows, group.width, scale or d**-0.5, isa, group.memo)
+
+
+def write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    isa: str,
+) -> None:
+    """Write new keys and values [N, Hkv, D] (rows may be strided) into a store k [S, Hkv, D, C]
+    (transposed) / v [S, Hkv, C, D] at ``slots`` [N] (slot * C + position), as the kernel will
+    read them: one call for keys and values, where indexing them in takes two scatters."""
+    import vllm._custom_ops as ops
+
+    kc = k.view(k.shape[0], k.shape[1], k.shape[3], k.shape[2])  # the kernel's view of a block
+    ops.cpu_attn_reshape_and_cache(key, value, kc, v, slots, isa)
 
 
 def _run(q, k, v, rows, width: int, scale: float, isa: str, memo: dict) -> torch.Tensor:

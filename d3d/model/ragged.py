@@ -82,6 +82,7 @@ class Group:
     outputs: torch.Tensor
     mask: torch.Tensor
     rows: tuple[tuple[int, int, int], ...]
+    whole: bool = False  # the group's rows are the whole step, in query order (no gather)
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-step, all layers
 
 

@@ -38,8 +38,9 @@ def model_d32(seed: int):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("widths", [[1, 1, 3, 1, 3], [1, SPLIT_WIDTH + 8, 1, 3]])
-def test_groups_attend_as_each_row_alone(widths):
+@pytest.mark.parametrize("kernel_writes", [False, True])  # the keys indexed in, or written by vLLM
+@pytest.mark.parametrize("widths", [[1, 1, 3, 1, 3], [1, SPLIT_WIDTH + 8, 1, 3], [1, 1, 1]])
+def test_groups_attend_as_each_row_alone(widths, kernel_writes):
     isa = cpu_attention._isa(torch.float32, D)
     assert isa is not None
 
@@ -48,7 +49,7 @@ def test_groups_attend_as_each_row_alone(widths):
 
     layer = Layer()
     setattr(layer, cpu_attention.MODULE_FLAG, isa)
-    kv = RowKV(1, 2, D, torch.float32, "cpu", 64 * GROW, keys_t=True)
+    kv = RowKV(1, 2, D, torch.float32, "cpu", 64 * GROW, True, isa if kernel_writes else None)
     rows = [kv.open(4 * GROW) for _ in widths]
     torch.manual_seed(0)
     with torch.inference_mode():
