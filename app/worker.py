@@ -287,6 +287,8 @@ class EngineWorker:
         except Exception:  # documents then fail or build it on first use; chat is unaffected
             log.exception("building the document reader at warm-up failed")
         reader_s = time.perf_counter() - t0
+        # A burst of requests allocates its rows' KV in one step: fault that memory in now.
+        touched = self.batch.kv.pretouch(self.settings.max_batch)
         h = engine.host
         summary = {
             "step_ms": _ms(h.step_s.value),
@@ -294,6 +296,7 @@ class EngineWorker:
             "draft_ms": _ms(h.wait_s.value),
             "calibrated": figures is not None,
             "reader_s": round(reader_s, 2),
+            "kv_pretouch_s": None if touched is None else round(touched, 2),
         }
         self.model_info["warmup"] = summary
         log.info("warm-up done: %s", summary)

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from d3d.engine.slabs import GROW, KvRow, SlabStore, next_capacity, round_up
+from d3d.engine.heap import pretouch
+from d3d.engine.slabs import GROW, SHORT, KvRow, SlabStore, next_capacity, round_up
 from d3d.model.cpu_attention import paged_attention, write
 from d3d.model.memory import free_bytes, head_dim, kv_bytes_per_token, kv_heads, kv_token_bytes
 from d3d.model.ragged import Group, Ragged, RaggedCache
@@ -122,6 +123,14 @@ class RowKV(RaggedCache):
         to ``GROW`` if that is more (a row's capacity is a multiple of ``GROW``)."""
         return max(self.max_tokens, sum(round_up(max(r.reserved, r.length)) for r in self.rows))
 
+    def pretouch(self, rows: int) -> float | None:
+        """On a CPU, fault in the memory of ``rows`` short requests' KV (``SHORT`` tokens each,
+        within the budget) and leave it free for the slabs (:func:`d3d.engine.heap.pretouch`);
+        the seconds it took, or None (another device, or not glibc)."""
+        if self.device.type != "cpu":
+            return None
+        return pretouch(min(self.max_tokens, rows * SHORT) * self.bytes_per_token)
+
     def check(self, need: int) -> None:
         """Raise :class:`KvLimitError` if ``need`` tokens could never fit."""
         if need > self.max_tokens:
@@ -155,7 +164,14 @@ class RowKV(RaggedCache):
     def ensure(self, row: KvRow, length: int) -> None:
         """Give ``row`` room for ``length`` positions (see :func:`~d3d.engine.slabs.next_capacity`)."""
         if length > row.capacity:
-            self.store.place(row, next_capacity(row.capacity, length, row.reserved))
+            capacity = next_capacity(row.capacity, length, row.reserved)
+            coming = 0
+            if row.slab is None and self.store.full(capacity):  # a burst of new rows: its size
+                coming = sum(
+                    r.slab is None and r is not row and next_capacity(0, 1, r.reserved) == capacity
+                    for r in self.rows
+                )
+            self.store.place(row, capacity, coming)
 
     def load(self, row: KvRow, cache: DynamicCache) -> None:
         """Fill an empty row with a :class:`~transformers.DynamicCache`'s keys and values."""

@@ -10,14 +10,15 @@ launch on a GPU: at 64 rows and 30 layers, ~2,000 of them a step).
 
 A row grows by moving to the slab of the next capacity (doubling, in multiples of ``GROW``,
 capped at the row's own reservation: a long request costs its own length, never the longest
-row's times the batch). Slabs gain slots by doubling and keep their free slots for the next
+row's times the batch). Slabs gain slots by doubling (or, for a burst of new rows, by as many as
+are about to land, in one copy) and keep their free slots for the next
 rows of their capacity (a busy server's rows come and go all the time; allocating and first
 touching a slab costs more than the step it serves); the store's whole allocation never exceeds
 ``bound`` (:meth:`SlabStore.room`): before a slab would pass it, every slab gives its free slots
 back, and :meth:`SlabStore.trim` gives them all back when the engine is idle with more than
 half its budget allocated (a smaller working set stays, warm, for the next burst). New slots are
-zeros (touching fresh memory costs the same either way) and a slot only ever holds keys a model
-wrote after, so the masked tail of a slot that attention reads is finite. The slabs are inference tensors: every method that writes them runs
+zeros and a slot only ever holds keys a model wrote after, so the masked tail of a slot that
+attention reads is finite. The slabs are inference tensors: every method that writes them runs
 in inference mode.
 
 A store may keep its keys transposed, ``[S, Hkv, D, C]`` (``keys_t``): the layout vLLM's CPU
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 GROW = 64  # capacities are multiples of this many positions
-FIRST = 4 * GROW  # a new row's capacity, unless its reservation is smaller (then all of it)
+FIRST = 4 * GROW  # a new row's capacity, unless its reservation is at most SHORT (then all of it)
+SHORT = 2 * FIRST  # a reservation this small is taken whole by a new row
 
 
 def round_up(n: int, to: int = GROW) -> int:
@@ -46,9 +48,12 @@ def round_up(n: int, to: int = GROW) -> int:
 def next_capacity(current: int, length: int, reserved: int) -> int:
     """The capacity a row of ``current`` positions moves to when it needs ``length``: a power
     of two times GROW, at least double (a new row: at least ``FIRST``), never past its
-    reservation rounded to GROW. A chat request (a short prompt, a few hundred tokens to
-    write) so takes its whole reservation at once and never moves; a long one grows."""
+    reservation rounded to GROW. A new row whose reservation is at most ``SHORT`` takes all of
+    it: a chat request (a short prompt, a few hundred tokens to write) never moves (a move
+    copies its keys, and a burst of them would build a slab of each size); a long one grows."""
     limit = round_up(max(reserved, length))
+    if current == 0 and limit <= SHORT:
+        return limit
     want = max(length, 2 * current, FIRST)
     grown = GROW * (1 << (round_up(want) // GROW - 1).bit_length())
     return min(grown, limit)
@@ -106,13 +111,16 @@ class Slab:
             return
         shape = (slots, self.kv_heads, self.capacity, self.head_dim)
         shape_k = (slots, self.kv_heads, self.head_dim, self.capacity) if self.keys_t else shape
-        make = lambda s: torch.zeros(s, dtype=self.dtype, device=self.device)  # noqa: E731
+        make = lambda s: torch.empty(s, dtype=self.dtype, device=self.device)  # noqa: E731
         k = [make(shape_k) for _ in range(self.layers)]
         v = [make(shape) for _ in range(self.layers)]
-        if n and self.k:
+        live = n if self.k else 0  # the live rows are copied, every other slot zeroed
+        if live:
             torch._foreach_copy_(
                 [t.narrow(0, 0, n) for t in k + v], [t.narrow(0, 0, n) for t in self.k + self.v]
             )
+        if slots > live:
+            torch._foreach_zero_([t.narrow(0, live, slots - live) for t in k + v])
         self.k, self.v = k, v
 
     def add(self, row: KvRow) -> None:
@@ -161,20 +169,27 @@ class SlabStore:
         return sum(s.slots * c for c, s in self.slabs.items())
 
     @torch.inference_mode()
-    def place(self, row: KvRow, capacity: int) -> None:
-        """Move ``row`` (with its committed keys) into the slab of ``capacity``."""
+    def place(self, row: KvRow, capacity: int, coming: int = 0) -> None:
+        """Move ``row`` (with its committed keys) into the slab of ``capacity``; ``coming``:
+        how many more rows are about to (a slab that must grow grows for them too, once,
+        rather than doubling through a burst of new rows, a copy of its rows each time)."""
         slab = self.slabs.get(capacity)
         if slab is None:
             slab = self.slabs[capacity] = Slab(
                 capacity, self.shape, self.dtype, self.device, self.keys_t
             )
         if len(slab.rows) == slab.slots:
-            slab.resize(slab.slots + self.room(capacity, max(slab.slots, 1)))
+            slab.resize(slab.slots + self.room(capacity, max(slab.slots, 1 + coming)))
         old, old_slot = row.slab, row.slot
         slab.add(row)
         if old is not None:
             copy_keys(old, old_slot, slab, row.slot, row.length)
             old.vacate(old_slot)
+
+    def full(self, capacity: int) -> bool:
+        """Whether a row placed in the slab of ``capacity`` now would make it grow."""
+        slab = self.slabs.get(capacity)
+        return slab is None or len(slab.rows) == slab.slots
 
     def room(self, capacity: int, want: int) -> int:
         """How many slots of ``capacity`` to add (at most ``want``, at least one): within the

@@ -45,3 +45,51 @@ def test_freed_activations_are_reused_without_page_faults():
     if int(before) < 5_000:
         pytest.skip(f"this C library kept the memory already ({before} faults a cycle)")
     assert int(after) * 5 < int(before), (before, after)  # measured: 20,449 -> 2,048
+
+
+PRETOUCH = textwrap.dedent(
+    """
+    import resource, torch
+    from d3d.engine import heap
+
+    def faults(nbytes):  # fresh blocks of the heap, written
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        ts = [torch.empty(heap.CHUNK // 4).fill_(1.0) for _ in range(nbytes // heap.CHUNK)]
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, ts
+
+    if not heap.keep_freed_memory():
+        print("skip")
+    else:
+        fresh, kept = faults(64 << 20)  # kept alive: the next blocks are not these
+        seconds = heap.pretouch(256 << 20)
+        again, _ = faults(64 << 20)
+        print(fresh, again, seconds is not None)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_pretouched_memory_is_what_the_next_allocations_reuse():
+    out = subprocess.run(
+        [sys.executable, "-c", PRETOUCH], capture_output=True, text=True, timeout=120, check=True
+    )
+    if out.stdout.strip() == "skip":
+        pytest.skip("the C library is not glibc")
+    fresh, again, timed = out.stdout.split()
+    assert timed == "True"
+    assert int(fresh) > 10_000  # 64 MB is ~16,000 pages of 4 KiB, each faulted in
+    assert int(again) * 5 < int(fresh), (fresh, again)
+
+
+def test_the_kv_touches_its_short_rows_memory_within_its_budget(monkeypatch):
+    import torch
+
+    from d3d.engine.kv import RowKV
+
+    asked = []
+    monkeypatch.setattr("d3d.engine.kv.pretouch", lambda n: asked.append(n) or 0.0)
+    kv = RowKV(2, 2, 4, torch.float32, "cpu", max_tokens=10_000)
+    kv.pretouch(3)
+    kv.pretouch(1000)
+    per = kv.bytes_per_token
+    assert asked == [3 * 512 * per, 10_000 * per]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from d3d.engine.kv import GROW, RowKV
-from d3d.engine.slabs import FIRST, next_capacity
+from d3d.engine.slabs import FIRST, Slab, next_capacity
 from d3d.model.ragged import SPLIT_WIDTH, ragged_attention
 
 
@@ -31,6 +31,7 @@ def fill(kv: RowKV, row, n: int, seed: int) -> torch.Tensor:
 def test_next_capacity_doubles_in_grow_steps_and_stops_at_the_reservation():
     assert next_capacity(0, 5, 1000) == FIRST  # a new row
     assert next_capacity(0, 5, 2 * GROW - 3) == 2 * GROW  # a short request: all it reserved
+    assert next_capacity(0, 5, FIRST + 81) == FIRST + 2 * GROW  # a chat: all of it, never moves
     assert next_capacity(FIRST, FIRST + 1, 10_000) == 2 * FIRST
     assert next_capacity(FIRST, FIRST + 1, FIRST + GROW + 5) == FIRST + 2 * GROW  # reservation
     assert next_capacity(0, 5 * FIRST, 5 * FIRST) == 5 * FIRST
@@ -55,6 +56,23 @@ def test_rows_keep_their_keys_when_others_leave_or_they_grow(keys_t):
                 k, v = r.keys(layer, r.length)
                 want = keys[i] if r is not big else torch.cat([keys[i], more], dim=2)
                 assert torch.equal(k, want + layer) and torch.equal(v, want + layer + 1)
+
+
+def test_a_burst_of_new_rows_grows_their_slab_once(monkeypatch):
+    kv = make_kv(max_tokens=64 * FIRST)
+    sizes = []
+    real = Slab.resize
+    monkeypatch.setattr(Slab, "resize", lambda self, n: sizes.append(n) or real(self, n))
+    rows = [kv.open(FIRST + 81) for _ in range(20)]  # twenty chats admitted at once
+    keys = [fill(kv, r, 2 + i, seed=i) for i, r in enumerate(rows)]
+    assert sizes == [20] and len({id(r.slab) for r in rows}) == 1
+    with torch.inference_mode():
+        for r, want in zip(rows, keys, strict=True):  # each row's keys, and zeros after them
+            assert torch.equal(r.keys(0, r.length)[0], want)
+            assert not r.slab.k[0][r.slot, :, r.length :].any()
+    late = kv.open(FIRST + 81)  # a full slab grows by doubling again
+    fill(kv, late, 3, seed=99)
+    assert sizes == [20, 40]
 
 
 def test_the_slabs_never_allocate_past_the_bound():
