@@ -80,8 +80,9 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
     g.add_argument(
         "--no-fuse",
         action="store_true",
-        help="run a CPU target in PyTorch's own kernels (default: vLLM's CPU kernels for its "
-        "RMSNorm, rotary embedding, attention and packed linear maps where vLLM's CPU build is "
+        help="run a CPU target in PyTorch's own kernels and Hugging Face's forward (default: "
+        "vLLM's CPU kernels for its RMSNorm, rotary embedding, attention and packed linear maps, "
+        "and a lean forward of a Llama-family target in them, where vLLM's CPU build is "
         "installed)",
     )
 

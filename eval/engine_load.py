@@ -15,7 +15,10 @@ all of them alike. Prints output tok/s, steps and median latency per run, the me
 and writes them to ``--out``.
 
 The target loads as ``d3d serve`` loads it, environment included (``D3D_FUSE=0``: without
-vLLM's CPU kernels, ``D3D_PACK=0``: unpacked linear maps).
+vLLM's CPU kernels, ``D3D_PACK=0``: unpacked linear maps). ``--vllm`` adds vLLM's offline engine
+(``LLM.generate`` over the same prompts, greedy, ``ignore_eos``, both cores as
+:data:`eval.field_bench.VLLM_ENV` sets them) as one more setting, alternated with the others: it
+takes every request at once, so compare it with ``--clients`` equal to ``--requests``.
 
 Usage:
     python -m eval.engine_load --clients 64 --requests 64 --settings 2:64:512:0,2:64:512:512
@@ -110,6 +113,43 @@ def run(engine: Engine, s: Setting, args: argparse.Namespace, seed: int) -> dict
     }
 
 
+def run_vllm(llm, args: argparse.Namespace, seed: int) -> dict:
+    """The same prompts as :func:`run` with ``seed``, all at once through vLLM's ``LLM``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(seed)
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(args.input_len)])
+        for _ in range(args.requests)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "setting": "vllm",
+        "tokens_per_s": tokens / seconds,
+        "tokens": tokens,
+        "seconds": seconds,
+        "steps": None,
+        "latency_p50_s": seconds,
+    }
+
+
+def vllm_engine(model_dir: str):
+    """vLLM's offline engine on the embedded model's folder, fp32, both cores."""
+    import os
+
+    from eval.field_bench import VLLM_ENV
+
+    os.environ.update(VLLM_ENV)
+    from vllm import LLM
+
+    return LLM(model=model_dir, dtype="float32", seed=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="default", help="a Hugging Face id or directory")
@@ -120,22 +160,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default="2:64:512:0,2:64:512:512")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="eval/results/engine_load.json")
+    p.add_argument("--vllm", action="store_true", help="add vLLM's offline engine (docstring)")
     args = p.parse_args(argv)
     settings = [Setting.parse(x) for x in args.settings.split(",")]
     engine = Engine.from_config(ModelConfig.from_env(target=args.target), with_drafter=False)
+    llm = None
+    if args.vllm:
+        from eval.field_bench import MODEL_DIR
+
+        llm = vllm_engine(str(MODEL_DIR))
     runs = []
     for rep in range(args.repeats):
-        for s in settings:
-            r = run(engine, s, args, seed=rep)
+        for s in [*settings, *([None] if llm is not None else [])]:
+            r = run(engine, s, args, seed=rep) if s is not None else run_vllm(llm, args, rep)
             runs.append(r)
             print(
-                f"[{rep}] {s.name}: {r['tokens_per_s']:.1f} tok/s, {r['steps']} steps, "
+                f"[{rep}] {r['setting']}: {r['tokens_per_s']:.1f} tok/s, {r['steps']} steps, "
                 f"latency p50 {r['latency_p50_s']:.2f} s",
                 flush=True,
             )
+    names = [s.name for s in settings] + (["vllm"] if llm is not None else [])
     medians = {
-        s.name: statistics.median(r["tokens_per_s"] for r in runs if r["setting"] == s.name)
-        for s in settings
+        n: statistics.median(r["tokens_per_s"] for r in runs if r["setting"] == n) for n in names
     }
     base = medians[settings[0].name]
     for name, tps in medians.items():
