@@ -9,7 +9,7 @@ computed only where asked (``keep``: per row, which of its positions).
 
 Where the model has a lean forward (:mod:`d3d.model.lean`: a Llama-family model on a CPU with
 vLLM's kernels), that runs instead of the model's own, once a sample of two rows over two steps
-gave the same logits both ways (to ``TOLERANCE``); otherwise it is dropped and the model's own
+gave the same logits both ways (to :data:`d3d.model.fused.TOLERANCE`); otherwise it is dropped and the model's own
 forward runs.
 
 Letters: n rows, N new tokens in all, T_r one row's, V vocab.
@@ -26,13 +26,11 @@ from transformers import PreTrainedModel
 
 from d3d.decoding.clock import WALL, Clock
 from d3d.engine.kv import KvRow, RowKV
-from d3d.model import lean
+from d3d.model import fused, lean
 from d3d.model.hf import with_cache
 from d3d.model.ragged import KWARG
 
 log = logging.getLogger(__name__)
-
-TOLERANCE = 1e-4  # the lean forward's sample: the largest relative difference in its logits
 
 
 class BatchTarget:
@@ -127,18 +125,18 @@ def _lean_agrees(model: PreTrainedModel, dec: lean.LeanDecoder) -> bool:
     gen = torch.Generator().manual_seed(0)
     for widths in ((5, 3), (2, 1)):
         ids = [torch.randint(t.vocab_size, (w,), generator=gen).tolist() for w in widths]
-        want = torch.cat(t.forward(rows, ids))
-        t.lean = dec
-        try:
-            got = torch.cat(t.forward(rows, ids))
-        except RuntimeError as e:  # a kernel refused the sample
-            log.warning("the lean forward failed a sample: %s", e)
-            return False
-        finally:
-            t.lean = None
-        scale = want.abs().max().clamp_min(1e-6)
-        if float((got - want).abs().max() / scale) > TOLERANCE:
+        own = torch.cat(t.forward(rows, ids))
+        if not fused.agree(lambda i=ids: _lean_logits(t, dec, rows, i), lambda o=own: o):
             return False
         for row, w in zip(rows, widths, strict=True):
             t.kv.commit(row, w)
     return True
+
+
+def _lean_logits(t: BatchTarget, dec: lean.LeanDecoder, rows, ids) -> torch.Tensor:
+    """One forward of ``t`` through ``dec`` (``t`` otherwise runs the model's own)."""
+    t.lean = dec
+    try:
+        return torch.cat(t.forward(rows, ids))
+    finally:
+        t.lean = None

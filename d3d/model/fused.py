@@ -107,7 +107,7 @@ def _fuse_norm(m: nn.Module) -> int:
     fused = types.MethodType(_norm_forward, m)
     x = torch.randn(1, 3, 2, m.weight.shape[-1], dtype=m.weight.dtype)
     with torch.no_grad():
-        if not _agree(lambda: fused(x), lambda: type(m).forward(m, x)):
+        if not agree(lambda: fused(x), lambda: type(m).forward(m, x)):
             log.warning("%s does not match the fused RMSNorm; it keeps its own", type(m).__name__)
             return 0
     m.forward = fused
@@ -170,15 +170,20 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     0 .. N-1, built once per forward (every layer is handed the same cos tensor)."""
     memo = getattr(_state, "memo", None)
     if memo is None or memo[0] is not cos:
-        half = cos.shape[-1] // 2
-        table = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).contiguous()
-        memo = _state.memo = (cos, table, torch.arange(cos.shape[1]))
+        memo = _state.memo = (cos, rope_table(cos, sin), torch.arange(cos.shape[1]))
     _, table, positions = memo
     n, d = q.shape[2], q.shape[3]
     q_rows = q.transpose(1, 2).view(n, -1)
     k_rows = k.transpose(1, 2).view(n, -1)
     torch.ops._C.rotary_embedding(positions, q_rows, k_rows, d, table, True)
     return q, k
+
+
+def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary kernel's table [N, D] from a rotary embedding's cos / sin [1, N, D]: the
+    first halves of cos and sin side by side (the rotation repeats them)."""
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).contiguous()
 
 
 def _rope_matches(model: nn.Module, original: Callable) -> bool:
@@ -199,7 +204,7 @@ def _rope_matches(model: nn.Module, original: Callable) -> bool:
         if not _rope_fits(q, k, cos, sin):
             return False
         _state.memo = None
-        ok = _agree(
+        ok = agree(
             lambda: torch.cat([t.flatten() for t in _rope(q.clone(), k.clone(), cos, sin)]),
             lambda: torch.cat([t.flatten() for t in original(q, k, cos, sin)]),
         )
@@ -237,9 +242,9 @@ def _wants_grad(*xs: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
-def _agree(fused: Callable[[], torch.Tensor], own: Callable[[], torch.Tensor]) -> bool:
-    """Whether a fused kernel's result on a sample is the model's own, to float rounding (a
-    kernel that refuses the sample does not agree)."""
+def agree(fused: Callable[[], torch.Tensor], own: Callable[[], torch.Tensor]) -> bool:
+    """Whether a fused kernel's (or forward's) result on a sample is the model's own, to float
+    rounding (``TOLERANCE``; a kernel that refuses the sample does not agree)."""
     try:
         got = fused()
     except RuntimeError as e:

@@ -132,9 +132,7 @@ class LeanDecoder:
     def _table(self, rows: int) -> torch.Tensor:
         """The rotary kernel's table [rows, D]: cos | sin halves at positions 0 .. rows-1."""
         x = torch.zeros(1, 1, dtype=self.embed.dtype)
-        cos, sin = self.rotary(x, torch.arange(rows)[None])
-        half = self.d // 2
-        return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).contiguous()
+        return fused.rope_table(*self.rotary(x, torch.arange(rows)[None]))
 
     @torch.inference_mode()
     def __call__(
