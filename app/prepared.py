@@ -17,12 +17,15 @@ from typing import Any
 class Prepared:
     """A job's prompt ids and what building them reports (``info``: compression figures and
     kept spans for a document; ``seconds``: the time it took; ``shared_prefix``: the first
-    prompt tokens other requests share, whose KV the engine caches)."""
+    prompt tokens other requests share, whose KV the engine caches; ``head``: the first prompt
+    tokens that every chat with the same system turn starts with, cached like a shared prefix
+    where nothing longer is shared)."""
 
     prompt_ids: list[int]
     info: dict = field(default_factory=dict)
     seconds: float = 0.0
     shared_prefix: int = 0
+    head: int = 0
 
 
 @dataclass(frozen=True)

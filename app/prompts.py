@@ -4,10 +4,20 @@ Routes never tokenise: they hand the worker a ``prepare(models) -> Prepared`` cl
 here, which runs on the worker's thread (the only thread that touches the models and the
 tokenizer used for encoding). Errors raised here are answers for the client: 413 for an oversized
 document, 422 naming the field for a value the library refuses, 400 otherwise.
+
+A chat's head, the tokens every chat with the same system turn starts with (the system message,
+or the one the template writes when there is none, and the next turn's opening), is marked as
+shared (``Prepared.head``): the engine reads it once into its prefix cache and later chats copy
+it. Each chat reads its head on its own, cached or not, so an answer is the same whatever else
+is served. The head is found by rendering the system turn with two different user turns and
+taking the ids they share (once per system turn), then as much of it as the chat's own ids
+begin with; a head under :data:`HEAD_MIN` tokens is not marked (not worth a step of its own).
 """
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 from app import documents
@@ -17,6 +27,10 @@ from app.worker import Models
 from d3d.model.load import TemplateVarsError, encode_messages, has_chat_template
 
 DEFAULT_KEEP_RATIO = 0.3
+HEAD_MIN = 16  # a shorter chat head is read with the rest of its prompt
+HEADS_KEPT = 64  # system turns whose head ids are remembered, per tokenizer
+
+_heads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def chat(
@@ -31,13 +45,60 @@ def chat(
         if has_chat_template(tok):
             try:
                 ids = encode_messages(tok, msgs, **(template_vars or {}))
+                head = head_length(tok, msgs, ids, template_vars)
             except TemplateVarsError as exc:
                 raise ApiError(422, str(exc), "chat_template_kwargs") from exc
         else:
             ids = tok("\n".join(m["content"] for m in msgs), add_special_tokens=True)["input_ids"]
-        return Prepared([int(i) for i in ids])
+            head = 0
+        return Prepared([int(i) for i in ids], head=head)
 
     return prepare
+
+
+def head_length(
+    tok,
+    messages: Sequence[Mapping[str, str]],
+    ids: Sequence[int],
+    template_vars: Mapping[str, object] | None = None,
+) -> int:
+    """How many of a chat's ``ids`` (``messages`` through the template) are its head: 0 where
+    that is under :data:`HEAD_MIN` tokens (see the module docstring)."""
+    n = _common(chat_head(tok, messages, template_vars), ids)
+    return n if n >= HEAD_MIN else 0
+
+
+def chat_head(
+    tok, messages: Sequence[Mapping[str, str]], template_vars: Mapping[str, object] | None = None
+) -> list[int]:
+    """The ids that two chats opening with ``messages``' system turn and different user turns
+    share; remembered per tokenizer and system turn."""
+    lead = []
+    for m in messages:
+        if m["role"] != "system":
+            break
+        lead.append(dict(m))
+    key = json.dumps([lead, template_vars or {}], sort_keys=True, default=repr)
+    known = _heads.setdefault(tok, {})
+    if key not in known:
+        a, b = (
+            encode_messages(tok, [*lead, {"role": "user", "content": c}], **(template_vars or {}))
+            for c in ("a", "b")
+        )
+        if len(known) >= HEADS_KEPT:
+            known.clear()
+        known[key] = a[: _common(a, b)]
+    return known[key]
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def text(prompt: str) -> Callable[[Models], Prepared]:

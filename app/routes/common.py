@@ -47,8 +47,15 @@ def speculative_view(stats: dict) -> dict:
 
 
 def usage(stats: dict) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens taken from the prefix cache."""
     p, c = int(stats.get("prompt_tokens", 0)), int(stats.get("num_tokens", 0))
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = int(stats.get("cached_prompt_tokens", 0))
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def sse(payload: object) -> str:
