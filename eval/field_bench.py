@@ -23,8 +23,14 @@ plot to ``--plot`` and prints a table of output tok/s, median TTFT and TPOT with
 ratios, and for each d3d run the failed requests and whether every random answer had its
 length. Servers are started one at a time (two on two cores would time each other).
 
+``--repeats R`` runs R rounds, each starting both servers afresh (no cache carried over) in
+alternating order (d3d first in odd rounds, vLLM first in even ones, so drift falls on both);
+the table and plot then give each figure's median over the rounds, and a second table every
+round's output tok/s and ratio (single runs on a shared two-core host move by ~8 %).
+
 Usage (it times: run it with nothing else busy):
     python -m eval.field_bench --out eval/results/field_bench --plot docs/field_bench.png
+    python -m eval.field_bench --levels 16,64 --repeats 3   # medians of three rounds
     python -m eval.field_bench --levels 1,4 --num-prompts 8 --long-prompts 4   # a short check
 """
 
@@ -54,6 +60,7 @@ VLLM_ENV = {
     "OMP_NUM_THREADS": "2",
     "VLLM_CPU_KVCACHE_SPACE": "4",
 }
+FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 KEEP = (
     "completed",
     "failed",
@@ -249,8 +256,28 @@ def summary_line(res: dict, cfg: Config) -> str:
     )
 
 
+def medians(runs: list[dict]) -> dict[tuple[str, str], dict]:
+    """Per (server, config name): each figure's median over the rounds, failures summed,
+    lengths ok only if every round's were, and the rounds' output tok/s in order."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        if "error" not in r:
+            groups.setdefault((r["server"], r["config"]["name"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        m = {k: statistics.median(r[k] for r in rs) for k in FIGURES if rs[0].get(k) is not None}
+        m |= {
+            "config": rs[0]["config"],
+            "failed": sum(r.get("failed") or 0 for r in rs),
+            "lengths_ok": all(lengths_ok(r, r["config"]) for r in rs),
+            "rounds": [r["output_throughput"] for r in rs],
+        }
+        out[key] = m
+    return out
+
+
 def table(runs: list[dict]) -> str:
-    by = {(r["server"], r["config"]["name"]): r for r in runs}
+    by = medians(runs)
     names = list(dict.fromkeys(r["config"]["name"] for r in runs))
     rows = [
         "| config | d3d tok/s | vLLM tok/s | x | d3d TTFT ms | vLLM TTFT ms | x | "
@@ -260,13 +287,23 @@ def table(runs: list[dict]) -> str:
     for name in names:
         d, v = by.get(("d3d", name), {}), by.get(("vllm", name), {})
         cells = [name]
-        for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
+        for key in FIGURES:
             a, b = d.get(key), v.get(key)
             cells += [_num(a), _num(b), f"{a / b:.2f}" if a and b else "-"]
-        cfg = d.get("config") or v.get("config")
-        lens_ok = lengths_ok(d, cfg)
-        cells += [str(d.get("failed", "-")), "yes" if d and lens_ok else "no"]
+        cells += [str(d.get("failed", "-")), "yes" if d.get("lengths_ok") else "no"]
         rows.append("| " + " | ".join(cells) + " |")
+    rounds = max((len(m["rounds"]) for m in by.values()), default=0)
+    if rounds > 1:
+        rows += ["", "Output tok/s in each round, d3d / vLLM (x):", ""]
+        rows += ["| config | " + " | ".join(f"round {i + 1}" for i in range(rounds)) + " |"]
+        rows += ["|---|" + "---:|" * rounds]
+        for name in names:
+            d = by.get(("d3d", name), {}).get("rounds", [])
+            v = by.get(("vllm", name), {}).get("rounds", [])
+            cells = [f"{a:.1f} / {b:.1f} ({a / b:.2f})" for a, b in zip(d, v, strict=False)] or [
+                f"{a:.1f}" for a in d + v
+            ]
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -281,7 +318,7 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r["config"]["name"] for r in runs))
-    by = {(r["server"], r["config"]["name"]): r for r in runs}
+    by = medians(runs)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     keys = (
         ("output_throughput", "output tok/s"),
@@ -321,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tokenizer", default=str(MODEL_DIR))
     p.add_argument("--model-dir", default=str(MODEL_DIR), help="what vLLM serves")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="rounds, servers alternated; medians reported"
+    )
     p.add_argument("--d3d-port", type=int, default=8941)
     p.add_argument("--vllm-port", type=int, default=8942)
     p.add_argument(
@@ -341,21 +381,18 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_env": VLLM_ENV,
         "d3d_flags": args.d3d_flags,
     }
-    if "d3d" in servers:
-        with served(args.d3d_flags.split(), args.d3d_port, out / "d3d_server.log") as srv:
-            meta["d3d_ready"] = srv.ready
-            runs += run_server("d3d", srv.url, cfgs, args, custom)
-    if "vllm" in servers:
-        with vllm_server(args.vllm_port, Path(args.model_dir), out / "vllm_server.log") as url:
-            runs += run_server("vllm", url, cfgs, args, custom)
+    for r in range(args.repeats):
+        for name in servers if r % 2 == 0 else servers[::-1]:
+            done = serve_round(name, cfgs, args, custom, meta, r + 1)
+            runs += [x | {"round": r + 1} for x in done]
     report = table(runs)
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     (out / "results.md").write_text(f"Command: `{meta['command']}`\n\n{report}\n")
     plot(runs, Path(args.plot))
     print(report)
-    long = [r for r in runs if r["config"]["name"].startswith("long") and "error" not in r]
+    long = {s: m for (s, n), m in medians(runs).items() if n.startswith("long")}
     if len(long) == 2:
-        ttft = {r["server"]: r["median_ttft_ms"] for r in long}
+        ttft = {s: m["median_ttft_ms"] for s, m in long.items()}
         ratio = ttft["d3d"] / ttft["vllm"]
         print(
             f"long prompts: d3d TTFT {ttft['d3d']:.0f} ms, vLLM {ttft['vllm']:.0f} ms "
@@ -368,8 +405,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def serve_round(
+    name: str, cfgs: list[Config], args, custom: Path, meta: dict, round_: int = 1
+) -> list[dict]:
+    """One server started afresh, every configuration against it, then stopped (its log in
+    ``OUT/<server>_server.log``, ``..._server.<round>.log`` from the second round on)."""
+    out = Path(args.out)
+    log = out / (f"{name}_server.log" if round_ == 1 else f"{name}_server.{round_}.log")
+    if name == "d3d":
+        with served(args.d3d_flags.split(), args.d3d_port, log) as srv:
+            meta.setdefault("d3d_ready", []).append(srv.ready)
+            return run_server("d3d", srv.url, cfgs, args, custom)
+    if name == "vllm":
+        with vllm_server(args.vllm_port, Path(args.model_dir), log) as url:
+            return run_server("vllm", url, cfgs, args, custom)
+    raise ValueError(f"--servers: d3d or vllm, got {name!r}")
+
+
 def _pairs(runs: list[dict], key: str) -> list[tuple[float, float]]:
-    by = {(r["server"], r["config"]["name"]): r.get(key) for r in runs}
+    by = {k: m.get(key) for k, m in medians(runs).items()}
     names = {r["config"]["name"] for r in runs}
     return [
         (by[("d3d", n)], by[("vllm", n)])

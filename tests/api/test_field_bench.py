@@ -9,7 +9,15 @@ import argparse
 
 import pytest
 
-from eval.field_bench import Config, bench_argv, configs, lengths_ok, run_bench, table
+from eval.field_bench import (
+    Config,
+    bench_argv,
+    configs,
+    lengths_ok,
+    medians,
+    run_bench,
+    table,
+)
 from tests.api.conftest import tiny_server
 from tests.conftest import tiny_tokenizer
 
@@ -57,3 +65,26 @@ def test_configs_follow_the_flags():
     assert [c.name for c in configs(args)] == ["random c1", "project c1", "long c4"]
     with pytest.raises(ValueError, match="dataset"):
         Config("x", "sharegpt", 1, 1, 1, 1)
+
+
+def test_rounds_report_medians_and_every_round():
+    cfg = vars(Config("random c4", "random", 4, 2, 24, 12))
+
+    def run(server: str, r: int, tps: float, lens=(12, 12)) -> dict:
+        return {"server": server, "config": cfg, "round": r, "output_throughput": tps,
+                "median_ttft_ms": 10.0 * r, "median_tpot_ms": 5.0, "failed": r == 3,
+                "output_lens": list(lens)}  # fmt: skip
+
+    runs = [run("d3d", 1, 100.0), run("vllm", 1, 110.0), run("vllm", 2, 90.0),
+            run("d3d", 2, 120.0), run("d3d", 3, 80.0, (12, 11)), run("vllm", 3, 100.0)]  # fmt: skip
+    m = medians(runs)
+    d3d, vllm = m[("d3d", "random c4")], m[("vllm", "random c4")]
+    assert d3d["output_throughput"] == vllm["output_throughput"] == 100.0
+    assert d3d["median_ttft_ms"] == 20.0 and d3d["rounds"] == [100.0, 120.0, 80.0]
+    assert d3d["failed"] == 1 and not d3d["lengths_ok"] and vllm["lengths_ok"]
+    report = table(runs)
+    assert "| random c4 | 100.0 | 100.0 | 1.00 | 20.0 | 20.0 | 1.00 |" in report
+    assert "| 1 | no |" in report
+    assert (
+        "| random c4 | 100.0 / 110.0 (0.91) | 120.0 / 90.0 (1.33) | 80.0 / 100.0 (0.80) |" in report
+    )
