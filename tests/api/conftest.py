@@ -92,6 +92,25 @@ def tiny_server(**overrides) -> Live:
     return start(settings, tiny_engine)
 
 
+def folder_server(folder, name: str) -> Live:
+    """A server on the model saved in ``folder`` (a Qwen3 made for the tests), its layers as
+    the drafter (``self:1``)."""
+    from d3d.engine import build_drafter
+    from d3d.model.load import load_target
+
+    def engine(_settings) -> Engine:
+        target = load_target(str(folder))
+        return Engine(target, build_drafter("self:1", target))
+
+    settings = ServeSettings(
+        model=ModelConfig(target=str(folder)),
+        port=free_port(),
+        served_model_name=name,
+        request_timeout=60.0,
+    )
+    return start(settings, engine)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     srv = tiny_server(max_queue=2, request_timeout=5.0)

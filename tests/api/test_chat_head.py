@@ -10,9 +10,8 @@ import pytest
 from openai import OpenAI
 
 from app.prompts import HEAD_MIN, chat_head, head_length
-from d3d.engine import Engine, build_drafter
-from d3d.model.load import encode_messages, load_target
-from tests.api.conftest import free_port, start
+from d3d.model.load import encode_messages
+from tests.api.conftest import folder_server
 from tests.conftest import tiny_tokenizer
 
 MODEL = "qwen3-tiny"
@@ -62,20 +61,7 @@ def test_a_template_s_default_system_turn_is_part_of_the_head():
 
 @pytest.fixture(scope="module")
 def client(qwen3_dir):
-    from app.settings import ServeSettings
-    from d3d.config import ModelConfig
-
-    def engine(_settings) -> Engine:
-        target = load_target(str(qwen3_dir))
-        return Engine(target, build_drafter("self:1", target))
-
-    settings = ServeSettings(
-        model=ModelConfig(target=str(qwen3_dir)),
-        port=free_port(),
-        served_model_name=MODEL,
-        request_timeout=60.0,
-    )
-    srv = start(settings, engine)
+    srv = folder_server(qwen3_dir, MODEL)
     yield OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0), srv
     srv.stop()
 

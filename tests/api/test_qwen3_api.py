@@ -16,9 +16,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from d3d.engine import Engine, build_drafter
-from d3d.model.load import encode_messages, load_target
-from tests.api.conftest import free_port, start
+from d3d.model.load import encode_messages
+from tests.api.conftest import folder_server
 from tests.conftest import ANSWER_TEXT, REASONING_TEXT
 
 MODEL = "qwen3-tiny"
@@ -30,20 +29,7 @@ DOC = " ".join(f"Fact {i}: {i} is {'odd' if i % 2 else 'even'}." for i in range(
 
 @pytest.fixture(scope="module")
 def server(scripted_qwen3_dir):
-    from app.settings import ServeSettings
-    from d3d.config import ModelConfig
-
-    def engine(_settings) -> Engine:
-        target = load_target(str(scripted_qwen3_dir))
-        return Engine(target, build_drafter("self:1", target))
-
-    settings = ServeSettings(
-        model=ModelConfig(target=str(scripted_qwen3_dir)),
-        port=free_port(),
-        served_model_name=MODEL,
-        request_timeout=60.0,
-    )
-    srv = start(settings, engine)
+    srv = folder_server(scripted_qwen3_dir, MODEL)
     yield srv
     srv.stop()
 
