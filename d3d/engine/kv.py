@@ -38,6 +38,8 @@ from d3d.model.ragged import Group, Ragged, RaggedCache
 
 __all__ = ["GROW", "KvLimitError", "KvRow", "RowKV", "default_kv_tokens"]
 
+_NO_MASK = torch.empty(0, dtype=torch.bool)  # a kernel group's: the kernel masks by lengths
+
 
 class KvLimitError(ValueError):
     """A request needs more KV than the engine may ever hold (the message names the limit)."""
@@ -205,14 +207,47 @@ class RowKV(RaggedCache):
             self.ensure(r, r.length + w)  # rows may change slots here: read slots after
         positions, alike = [], {}
         q = 0
+        kernel = self.isa is not None  # vLLM's kernel: a slab's rows are one group, any widths
         for r, w in zip(rows, widths, strict=True):
             positions.append(torch.arange(r.length, r.length + w, device=self.device))
-            alike.setdefault((r.slab, w), []).append((r.slot, q, r.length))
+            key = (r.slab, 0 if kernel else w)
+            alike.setdefault(key, []).append((r.slot, q, r.length, w))
             q += w
         self._writes, self.past = [], max(r.length for r in rows)
         whole = len(alike) == 1  # one group: its rows are the step, in order if slots are
-        groups = [self._group(slab, w, items, whole) for (slab, w), items in alike.items()]
+        groups = [
+            self._kernel_group(slab, items, whole)
+            if kernel
+            else self._group(slab, w, [i[:3] for i in items], whole)
+            for (slab, w), items in alike.items()
+        ]
         return torch.cat(positions)[None, :], Ragged(groups)
+
+    def _kernel_group(self, slab, items: list[tuple[int, int, int, int]], alone: bool) -> Group:
+        """One call of vLLM's kernel for the rows of ``slab``: items are (slot, first query,
+        length, width); the kernel takes each row's queries as a span and writes its keys."""
+        items.sort()
+        outputs = [q + t for _, q, _, w in items for t in range(w)]
+        whole = alone and outputs == list(range(len(outputs)))
+        out = torch.tensor(outputs, device=self.device)
+        cap = slab.capacity
+        at = [s * cap + n + t for s, _, n, w in items for t in range(w)]
+        group = Group(
+            slab,
+            items[0][0],
+            len(items),
+            max(w for *_, w in items),
+            0,
+            out,
+            None,
+            out,
+            _NO_MASK,
+            tuple(i[:3] for i in items),
+            whole,
+            tuple(w for *_, w in items),
+        )
+        self._writes.append((group, torch.tensor(at, device=self.device)))
+        return group
 
     def _group(self, slab, width: int, items: list[tuple[int, int, int]], alone: bool) -> Group:
         """One attention call for the rows of ``slab`` that add ``width`` tokens each: items

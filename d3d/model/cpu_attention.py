@@ -23,6 +23,7 @@ heads, D head dim, S slots, C a slot's capacity.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -78,22 +79,23 @@ def _isa(dtype: torch.dtype, d: int) -> str | None:
 
 
 def _sample_agrees(hq: int, hkv: int, d: int, dtype: torch.dtype, isa: str) -> bool:
-    """Three rows (5, 0 and 40 cached keys, three new tokens each) in a store of the slabs'
-    layout: the kernel's attention against PyTorch's, row by row."""
+    """Three rows (5, 0 and 40 cached keys; three, one and two new tokens) in a store of the
+    slabs' layout: the kernel's attention against PyTorch's, row by row."""
     torch.manual_seed(0)
-    c, lengths, width = 64, (5, 0, 40), 3
+    c, lengths, widths = 64, (5, 0, 40), (3, 1, 2)
     k = torch.randn(len(lengths), hkv, d, c, dtype=dtype)  # keys stored transposed
     v = torch.randn(len(lengths), hkv, c, d, dtype=dtype)
-    q = torch.randn(len(lengths) * width, hq, d, dtype=dtype)
-    rows = [(slot, slot * width, n) for slot, n in enumerate(lengths)]
+    q = torch.randn(sum(widths), hq, d, dtype=dtype)
+    starts = [0, *itertools.accumulate(widths)]
+    rows = [(slot, starts[slot], n) for slot, n in enumerate(lengths)]
     with torch.inference_mode():
         try:
-            got = _run(q, k, v, rows, width, d**-0.5, isa, {})
+            got = _run(q, k, v, rows, widths, d**-0.5, isa, {})
         except RuntimeError as e:
             log.warning("vLLM's CPU attention refused a sample: %s", e)
             return False
         want = []
-        for slot, q0, n in rows:
+        for (slot, q0, n), width in zip(rows, widths, strict=True):
             keys = k[slot : slot + 1, :, :, : n + width].transpose(2, 3)
             values = v[slot : slot + 1, :, : n + width]
             sees = torch.arange(n + width)[None, :] <= (n + torch.arange(width))[:, None]
@@ -115,7 +117,8 @@ def attend(
     d = query.shape[-1]
     q = query if group.whole else query.index_select(0, group.outputs)
     k, v = group.slab.k[layer], group.slab.v[layer]
-    return _run(q, k, v, group.rows, group.width, scale or d**-0.5, isa, group.memo)
+    widths = group.widths or (group.width,) * len(group.rows)
+    return _run(q, k, v, group.rows, widths, scale or d**-0.5, isa, group.memo)
 
 
 def write(
@@ -135,16 +138,17 @@ def write(
     ops.cpu_attn_reshape_and_cache(key, value, kc, v, slots, isa)
 
 
-def _run(q, k, v, rows, width: int, scale: float, isa: str, memo: dict) -> torch.Tensor:
+def _run(q, k, v, rows, widths, scale: float, isa: str, memo: dict) -> torch.Tensor:
     """vLLM's kernel over ``rows`` ((slot, first query, length) each) of a store k [S, Hkv, D,
-    C] (transposed), v [S, Hkv, C, D]; T = ``width`` new tokens a row, queries q [M * T, Hq, D]
-    in the rows' order."""
+    C] (transposed), v [S, Hkv, C, D]; ``widths``: each row's new tokens, queries q [sum
+    widths, Hq, D] in the rows' order."""
     import vllm._custom_ops as ops
 
     if "schedule" not in memo:  # the same for every layer of the step
         m = len(rows)
-        seq = torch.tensor([n + width for _, _, n in rows], dtype=torch.int32)
-        starts = torch.arange(0, (m + 1) * width, width, dtype=torch.int32)
+        seq = torch.tensor([n + w for (_, _, n), w in zip(rows, widths, strict=True)])
+        seq = seq.to(torch.int32)
+        starts = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int32)
         table = torch.tensor([[slot] for slot, _, _ in rows], dtype=torch.int32)
         schedule = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=m,

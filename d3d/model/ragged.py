@@ -70,7 +70,10 @@ class Group:
     its output is dropped); ``members``: the slots that are rows of the step (None: all),
     ``outputs`` [members * T] their queries' positions; ``mask`` [count, 1, T, n]: a row's
     query t sees its keys up to its own length + t; ``rows``: (slot, first query, length) of
-    each row of the step, in slot order."""
+    each row of the step, in slot order. Where vLLM's kernel attends (it takes each row's
+    queries as a span of its own), the rows of a slab are one group whatever they add
+    (``widths``: their new tokens, T the widest; ``queries`` = ``outputs``, no ``mask``): a
+    step in which one row verifies a draft among plain rows is still one call per layer."""
 
     slab: Any
     first: int
@@ -83,6 +86,7 @@ class Group:
     mask: torch.Tensor
     rows: tuple[tuple[int, int, int], ...]
     whole: bool = False  # the group's rows are the whole step, in query order (no gather)
+    widths: tuple[int, ...] = ()  # each row's new tokens where they differ (vLLM's kernel only)
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-step, all layers
 
 
