@@ -41,13 +41,16 @@ class Speculative(BaseModel):
         return v
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a generator takes (vLLM's range)
+
+
 class Sampling(BaseModel):
     """Fields shared by every generating route."""
 
     model_config = STRICT
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="a 64-bit integer")
     speculative: Speculative = Field(default_factory=Speculative)
 
 

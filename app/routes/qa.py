@@ -33,7 +33,7 @@ from app.routes.common import (
     sse,
     usage,
 )
-from app.schemas import QARequest
+from app.schemas import SEED_MAX, SEED_MIN, QARequest
 from app.worker import Job
 
 log = logging.getLogger("app.qa")
@@ -140,7 +140,7 @@ OPENAPI = {
                         "max_new_tokens": {"type": "integer", "minimum": 1, "maximum": 4096},
                         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
                         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                        "seed": {"type": "integer"},
+                        "seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX},
                         "speculative": {"type": "string"},
                         "return_prompt": {"type": "boolean"},
                     },

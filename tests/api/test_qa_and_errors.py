@@ -112,6 +112,7 @@ CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "ma
         ({**BASE, "speculative": {"mode": "turbo"}}, 422, "speculative.mode"),
         ({**BASE, "max_new_tokens": "many"}, 422, "max_new_tokens"),
         ({**BASE, "temperature": -1}, 422, "temperature"),
+        ({**BASE, "temperature": 0.7, "seed": 2**69}, 422, "seed"),  # past a 64-bit generator
         ({**BASE, "document": ["a", "list"]}, 422, "document"),
         ({**BASE, "colour": "blue"}, 422, "colour"),
         ({k: v for k, v in BASE.items() if k != "question"}, 422, "question"),
@@ -156,6 +157,7 @@ def test_prompt_longer_than_the_window(live):
         ({"n": 0}, 422, "n"),
         ({"messages": []}, 422, "messages"),
         ({"temperature": "hot"}, 422, "temperature"),
+        ({"temperature": 1.0, "seed": -(2**63) - 1}, 422, "seed"),
         ({"logit_bias": {}}, 422, "logit_bias"),
         ({"speculative": {"mode": "fast"}}, 422, "speculative.mode"),
         ({"keep_ratio": 0.5}, 422, "keep_ratio"),
