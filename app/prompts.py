@@ -25,6 +25,7 @@ from app.errors import ApiError
 from app.prepared import Prepared, PromptBuilder
 from app.worker import Models
 from d3d.model.load import TemplateVarsError, encode_messages, has_chat_template
+from d3d.model.session import common_prefix
 
 DEFAULT_KEEP_RATIO = 0.3
 HEAD_MIN = 16  # a shorter chat head is read with the rest of its prompt
@@ -64,7 +65,7 @@ def head_length(
 ) -> int:
     """How many of a chat's ``ids`` (``messages`` through the template) are its head: 0 where
     that is under :data:`HEAD_MIN` tokens (see the module docstring)."""
-    n = _common(chat_head(tok, messages, template_vars), ids)
+    n = common_prefix(chat_head(tok, messages, template_vars), ids)
     return n if n >= HEAD_MIN else 0
 
 
@@ -87,18 +88,8 @@ def chat_head(
         )
         if len(known) >= HEADS_KEPT:
             known.clear()
-        known[key] = a[: _common(a, b)]
+        known[key] = a[: common_prefix(a, b)]
     return known[key]
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def text(prompt: str) -> Callable[[Models], Prepared]:

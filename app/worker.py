@@ -371,8 +371,8 @@ class EngineWorker:
             return
         # n rows of one prompt read it once: the first reads it into the prefix cache, the
         # others copy it (d3d.engine.prefixes); a lone chat shares its system turn.
-        whole = len(prepared.prompt_ids) - 1 if job.n > 1 else prepared.head
-        shared = prepared.shared_prefix or whole
+        common = len(prepared.prompt_ids) - 1 if job.n > 1 else prepared.head
+        shared = prepared.shared_prefix or common
         reqs = [self._request(job, prepared, i, shared) for i in range(job.n)]
         try:
             self.batch.check(reqs[0])  # the rows are alike: all fit or none does

@@ -73,14 +73,14 @@ def run(engine: Engine, s: Setting, args: argparse.Namespace, seed: int) -> dict
             share=s.share, max_chunk=s.max_chunk, short=s.short, floor_s=s.floor_s
         ),
     )
-    rng = random.Random(seed)
+    prompts = iter(prompt_ids(args, seed))
     sent, tokens, latencies = 0, [0], []
 
     def send() -> None:
         nonlocal sent
         sent += 1
         t0 = time.perf_counter()
-        ids = [rng.randrange(1000, 40000) for _ in range(args.input_len)]
+        ids = next(prompts)
 
         def on_tokens(chunk: list[int]) -> None:
             tokens[0] += len(chunk)
@@ -113,16 +113,21 @@ def run(engine: Engine, s: Setting, args: argparse.Namespace, seed: int) -> dict
     }
 
 
+def prompt_ids(args: argparse.Namespace, seed: int) -> list[list[int]]:
+    """The run's ``requests`` random prompts of ``input_len`` ids, seeded: the same for every
+    setting and for vLLM."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(1000, 40000) for _ in range(args.input_len)] for _ in range(args.requests)
+    ]
+
+
 def run_vllm(llm, args: argparse.Namespace, seed: int) -> dict:
     """The same prompts as :func:`run` with ``seed``, all at once through vLLM's ``LLM``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    rng = random.Random(seed)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(args.input_len)])
-        for _ in range(args.requests)
-    ]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids(args, seed)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

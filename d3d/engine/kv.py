@@ -88,7 +88,7 @@ class RowKV(RaggedCache):
             (num_layers, kv_heads, head_dim), dtype, self.device, self.bound_tokens, keys_t
         )
         self.isa = isa if keys_t else None  # vLLM's kernel writes the keys (cpu_attention.write)
-        # one per group: (group, slots, positions) or, kernel-written, (group, slot * C + position)
+        # one per group: (group, slots, positions), or kernel-written (group, slot * C + position)
         self._writes: list[tuple] = []
 
     @classmethod
@@ -232,19 +232,20 @@ class RowKV(RaggedCache):
         out = torch.tensor(outputs, device=self.device)
         cap = slab.capacity
         at = [s * cap + n + t for s, _, n, w in items for t in range(w)]
+        widths = tuple(w for *_, w in items)
         group = Group(
             slab,
-            items[0][0],
-            len(items),
-            max(w for *_, w in items),
-            0,
-            out,
-            None,
-            out,
-            _NO_MASK,
-            tuple(i[:3] for i in items),
-            whole,
-            tuple(w for *_, w in items),
+            first=items[0][0],
+            count=len(items),
+            width=max(widths),
+            n=0,  # the kernel reads each row's keys up to its own length
+            queries=out,
+            members=None,
+            outputs=out,
+            mask=_NO_MASK,
+            rows=tuple(i[:3] for i in items),
+            whole=whole,
+            widths=widths,
         )
         self._writes.append((group, torch.tensor(at, device=self.device)))
         return group
@@ -283,11 +284,7 @@ class RowKV(RaggedCache):
             whole,
         )
         at = (length[:, None] + t).flatten()
-        slots = slot.repeat_interleave(width)
-        if self.isa is not None:
-            self._writes.append((group, slots * slab.capacity + at))
-        else:
-            self._writes.append((group, slots, at))
+        self._writes.append((group, slot.repeat_interleave(width), at))
         return group
 
     def commit(self, row: KvRow, n: int) -> None:

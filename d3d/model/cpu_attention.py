@@ -146,8 +146,8 @@ def _run(q, k, v, rows, widths, scale: float, isa: str, memo: dict) -> torch.Ten
 
     if "schedule" not in memo:  # the same for every layer of the step
         m = len(rows)
-        seq = torch.tensor([n + w for (_, _, n), w in zip(rows, widths, strict=True)])
-        seq = seq.to(torch.int32)
+        seq = [n + w for (_, _, n), w in zip(rows, widths, strict=True)]
+        seq = torch.tensor(seq, dtype=torch.int32)
         starts = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int32)
         table = torch.tensor([[slot] for slot, _, _ in rows], dtype=torch.int32)
         schedule = ops.cpu_attn_get_scheduler_metadata(

@@ -32,6 +32,16 @@ class BlockDrafter(Protocol):
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two id sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def rewind(
     cache: DynamicCache, cached_ids: list[int], want: list[int]
 ) -> tuple[DynamicCache, list[int], list[int]]:
@@ -40,11 +50,7 @@ def rewind(
     Returns the cache (a fresh one when nothing is shared), the ids it now holds, and the ids
     of ``want`` it still lacks.
     """
-    common = 0
-    for a, b in zip(cached_ids, want, strict=False):
-        if a != b:
-            break
-        common += 1
+    common = common_prefix(cached_ids, want)
     if common == 0 and cached_ids:
         cache = DynamicCache()
     else:
