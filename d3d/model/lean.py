@@ -27,7 +27,8 @@ the expected form (checked by structure here; the engine also checks a sample of
 the model's own forward before using it: :class:`~d3d.engine.target.BatchTarget`). It is kept
 beside the model, not on it, so a deep copy of the model carries none. The packed maps are
 vLLM's oneDNN handlers, which own their packed weights (the model's modules keep theirs for
-every other caller: the drafter's shared layers, autograd, another device).
+every other caller: the drafter's shared layers, autograd, another device), called through
+:mod:`d3d.model.onednn` (a primitive for each thread budget).
 
 Letters: N new tokens of the forward, M kept positions, H hidden, Hq / Hkv heads, D head dim,
 I the MLP's inner width, V vocab.
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.model import fused
+from d3d.model import fused, onednn
 from d3d.model.ragged import ragged_attention
 
 log = logging.getLogger(__name__)
@@ -83,19 +84,19 @@ def detach(model: nn.Module) -> None:
 class _Layer:
     """One decoder layer's weights as the lean forward reads them."""
 
-    def __init__(self, layer: nn.Module, ops: Any):
+    def __init__(self, layer: nn.Module):
         a, mlp = layer.self_attn, layer.mlp
         proj = (a.q_proj, a.k_proj, a.v_proj)
         bias = None
         if proj[0].bias is not None:
             bias = torch.cat([p.bias.detach() for p in proj])
         self.attn = a  # the module the ragged attention reads its layer index and kernel from
-        self.qkv = ops.create_onednn_mm(torch.cat([p.weight.detach() for p in proj]).t(), 32)
+        self.qkv = onednn.handler(torch.cat([p.weight.detach() for p in proj]).t())
         self.qkv_bias = bias
-        self.o = ops.create_onednn_mm(a.o_proj.weight.detach().t(), 32)
+        self.o = onednn.handler(a.o_proj.weight.detach().t())
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
-        self.gate_up = ops.create_onednn_mm(gate_up.t(), 32)
-        self.down = ops.create_onednn_mm(mlp.down_proj.weight.detach().t(), 32)
+        self.gate_up = onednn.handler(gate_up.t())
+        self.down = onednn.handler(mlp.down_proj.weight.detach().t())
         self.inner = mlp.gate_proj.weight.shape[0]
         self.norm_in = layer.input_layernorm.weight.detach()
         self.norm_post = layer.post_attention_layernorm.weight.detach()
@@ -121,7 +122,7 @@ class LeanDecoder:
         self.d = attn.head_dim
         self.scaling = attn.scaling
         self.eps = inner.norm.variance_epsilon
-        self.layers = [_Layer(layer, ops) for layer in inner.layers]
+        self.layers = [_Layer(layer) for layer in inner.layers]
         self.norm = inner.norm.weight.detach()
         self.embed = inner.embed_tokens.weight.detach()
         self.head = model.get_output_embeddings()
@@ -153,7 +154,7 @@ class LeanDecoder:
                 ops.rms_norm(h, residual, layer.norm_in, self.eps)
             else:  # residual += h; h = norm(residual), in place
                 ops.fused_add_rms_norm(h, residual, layer.norm_in, self.eps)
-            qkv = ops.onednn_mm(layer.qkv, h, layer.qkv_bias)  # [N, (Hq + 2 Hkv) D]
+            qkv = onednn.mm(layer.qkv, h, layer.qkv_bias)  # [N, (Hq + 2 Hkv) D]
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             if layer.q_norm is not None:
                 q = _head_norm(ops, q, n * hq, d, *layer.q_norm)
@@ -165,12 +166,12 @@ class LeanDecoder:
             cache.update(k4, v4, i)
             q4 = q.view(n, hq, d).transpose(0, 1)[None]
             o = ragged_attention(layer.attn, q4, k4, v4, rows, self.scaling)  # [1, N, Hq, D]
-            h = ops.onednn_mm(layer.o, o.view(n, hq * d), None)
+            h = onednn.mm(layer.o, o.view(n, hq * d), None)
             ops.fused_add_rms_norm(h, residual, layer.norm_post, self.eps)
-            gate_up = ops.onednn_mm(layer.gate_up, h, None)  # [N, 2 I]
+            gate_up = onednn.mm(layer.gate_up, h, None)  # [N, 2 I]
             act = F.silu(gate_up[:, : layer.inner])
             act.mul_(gate_up[:, layer.inner :])
-            h = ops.onednn_mm(layer.down, act, None)
+            h = onednn.mm(layer.down, act, None)
         # Only the kept positions go on: the norm is row by row, so this is the same numbers.
         h, residual = h.index_select(0, keep), residual.index_select(0, keep)
         ops.fused_add_rms_norm(h, residual, self.norm, self.eps)

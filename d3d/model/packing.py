@@ -13,7 +13,9 @@ Where vLLM's CPU build is installed, the packed copy is vLLM's oneDNN matmul han
 torch's (``create_onednn_mm``: the same library, with a primitive cached per input size): in the
 engine's forward it made 16- and 32-row decode steps 0.90-0.93x as long as torch's
 ``mkldnn._linear_pointwise`` (64 rows 0.97-1.0x, prefill the same), because torch sets up each
-call's primitive anew.
+call's primitive anew. Its calls go through :mod:`d3d.model.onednn`, which keeps a primitive for
+each thread budget (vLLM's cache would otherwise keep one built for the reduced budget of a
+speculative step and run later full-budget steps of that size on fewer threads).
 
 :func:`pack_linears` turns a model's ``nn.Linear`` modules into :class:`PackedLinear` in place
 (the same module objects: hooks, state-dict keys and ``isinstance`` checks stay as they were).
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.model import fused
+from d3d.model import fused, onednn
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class PackedLinear(nn.Linear):
         if x.numel() <= SMALL * x.shape[-1] or not self._fits(x):
             return F.linear(x, self.weight, self.bias)
         if self._handler is not None:
-            return _vllm_ops().onednn_mm(self._handler, x, self.bias)
+            return onednn.mm(self._handler, x, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo: dict) -> nn.Linear:
@@ -101,7 +103,7 @@ def _vllm_handler(w: torch.Tensor) -> Any:
         return None
     try:
         ops = _vllm_ops()
-        return ops.create_onednn_mm(w.t(), 32) if ops._supports_onednn else None
+        return onednn.handler(w.t()) if ops._supports_onednn else None
     except (ImportError, AttributeError, RuntimeError) as e:
         log.warning("vLLM's oneDNN matmul handler is unavailable (%s); torch's packing is used", e)
         return None
