@@ -8,7 +8,9 @@ its mode (``extra_body.speculative.mode``). At each level of ``--levels`` every 
 ``--modes`` runs in turn, ``--repeats`` rounds, the order reversed every other round so drift
 falls on all alike; reported: each mode's median tok/s, its ratio against ``--base``'s median,
 every round's figures, and whether every answer equals the base mode's (greedy decoding is
-lossless, so they must). Writes ``OUT/mode_load.json`` and ``OUT/mode_load.md``.
+lossless, so they must). ``--warmup`` unmeasured rounds of every mode come first (one request
+per client at the first level), so a fresh server's first-use costs fall on no mode. Writes
+``OUT/mode_load.json`` and ``OUT/mode_load.md``.
 
 Usage (it times: run it with nothing else busy):
     python -m eval.mode_load --modes auto,ar --levels 8,16 --repeats 3
@@ -28,8 +30,16 @@ from eval.serve_load import PROMPTS, served
 from eval.vllm_compare import level, per_client
 
 
-def measure(url: str, modes: list[str], levels: list[int], repeats: int, max_tokens: int) -> dict:
-    """``{level: {mode: [run, ...]}}``, each run :func:`eval.vllm_compare.level`'s result."""
+def measure(
+    url: str, modes: list[str], levels: list[int], repeats: int, max_tokens: int, warmup: int = 1
+) -> dict:
+    """``{level: {mode: [run, ...]}}``, each run :func:`eval.vllm_compare.level`'s result.
+    First ``warmup`` unmeasured rounds of every mode at the first level: a fresh server builds
+    what each new forward width needs on first use (oneDNN primitives, the chat head's cache
+    entry), which would otherwise fall on whichever mode runs first."""
+    for _ in range(warmup):
+        for mode in modes:
+            asyncio.run(level(url, PROMPTS, levels[0], 1, max_tokens, mode))
     out: dict = {}
     for c in levels:
         runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -98,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default="8,16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured rounds of every mode first (0: none)"
+    )
     p.add_argument("--url", default="", help="a running server instead of starting one")
     p.add_argument("--port", type=int, default=8961)
     p.add_argument("--flags", default="", help="d3d serve's flags besides --port")
@@ -113,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             args.url
             or stack.enter_context(served(args.flags.split(), args.port, out / "server.log")).url
         )
-        runs = measure(url, modes, levels, args.repeats, args.max_tokens)
+        runs = measure(url, modes, levels, args.repeats, args.max_tokens, args.warmup)
     summ = summary(runs, args.base)
     command = "python -m eval.mode_load " + " ".join(argv if argv is not None else sys.argv[1:])
     text = f"Command: `{command}`\n\n{table(summ, args.base)}\n"
