@@ -28,10 +28,11 @@ PAD = 16  # floats of row stride added per thread under a budget other than the 
 _made_with: int | None = None  # the thread count the first handler was made under
 
 
-def _ops() -> Any:
-    import vllm._custom_ops as ops
+def ops() -> Any:
+    """vLLM's custom ops module (imported on first use: vLLM is optional)."""
+    import vllm._custom_ops as custom_ops
 
-    return ops
+    return custom_ops
 
 
 def handler(weight_t: torch.Tensor) -> Any:
@@ -39,7 +40,7 @@ def handler(weight_t: torch.Tensor) -> Any:
     global _made_with
     if _made_with is None:
         _made_with = torch.get_num_threads()
-    return _ops().create_onednn_mm(weight_t, 32)
+    return ops().create_onednn_mm(weight_t, 32)
 
 
 def mm(h: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -51,6 +52,6 @@ def mm(h: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, k)
         wide = rows.new_empty(rows.shape[0], k + PAD * threads)
         wide[:, :k].copy_(rows)
-        out = _ops().onednn_mm(h, wide[:, :k], bias)
+        out = ops().onednn_mm(h, wide[:, :k], bias)
         return out.view(*x.shape[:-1], out.shape[-1])
-    return _ops().onednn_mm(h, x, bias)
+    return ops().onednn_mm(h, x, bias)

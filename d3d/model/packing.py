@@ -91,19 +91,12 @@ class PackedLinear(nn.Linear):
         return out
 
 
-def _vllm_ops() -> Any:
-    import vllm._custom_ops as ops
-
-    return ops
-
-
 def _vllm_handler(w: torch.Tensor) -> Any:
     """vLLM's oneDNN matmul handler over ``w`` [N, K], or None (no vLLM CPU build, or it refuses)."""
     if not fused.available():
         return None
     try:
-        ops = _vllm_ops()
-        return onednn.handler(w.t()) if ops._supports_onednn else None
+        return onednn.handler(w.t()) if onednn.ops()._supports_onednn else None
     except (ImportError, AttributeError, RuntimeError) as e:
         log.warning("vLLM's oneDNN matmul handler is unavailable (%s); torch's packing is used", e)
         return None

@@ -34,7 +34,7 @@ def test_the_map_is_the_same_under_every_budget(threads):
 
 def test_each_budget_reaches_the_handler_with_its_own_row_stride(threads, monkeypatch):
     h = onednn.handler(torch.randn(24, 16).t())
-    ops = onednn._ops()
+    ops = onednn.ops()
     seen = []
     real = ops.onednn_mm
     monkeypatch.setattr(

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.model import fused, packing
+from d3d.model import fused, onednn, packing
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_async_lossless import PROMPTS, run
@@ -94,7 +94,7 @@ def test_vllms_matmul_handler_computes_the_same_map_and_is_not_copied(monkeypatc
     assert packing.pack_linears(nn.Sequential(lin), vllm=True) == 1
     assert lin._handler is not None and lin._packed is None
     calls = []
-    ops = packing._vllm_ops()
+    ops = onednn.ops()
     real = ops.onednn_mm
     monkeypatch.setattr(ops, "onednn_mm", lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
