@@ -256,12 +256,12 @@ class D3DDrafter(nn.Module):
                 body._modules["rotary_emb"] = rot.to(dev)
         return self
 
-    def save(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    def save(self, path: str | Path, dtype: torch.dtype | None = None, int8: bool = False) -> Path:
         """Write ``drafter.json`` and ``drafter.safetensors``, floating tensors in ``dtype`` if
-        given (see :mod:`d3d.model.checkpoint`)."""
+        given, weight matrices in 8 bits if ``int8`` (see :mod:`d3d.model.checkpoint`)."""
         from d3d.model.checkpoint import save_drafter
 
-        return save_drafter(self, path, dtype)
+        return save_drafter(self, path, dtype, int8=int8)
 
     @classmethod
     def load(

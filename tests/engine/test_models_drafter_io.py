@@ -72,6 +72,32 @@ def test_checkpoint_round_trip_keeps_outputs_and_leaves_out_shared_tensors(tmp_p
     torch.testing.assert_close(loaded.mask_embedding, drafter.mask_embedding)
 
 
+def test_int8_checkpoint_rebuilds_its_matrices_within_half_a_step(tmp_path, monkeypatch):
+    from d3d.model import checkpoint
+
+    monkeypatch.setattr(checkpoint, "INT8_MIN_SIZE", 1)  # the tiny matrices too
+    w = torch.randn(64, 48) * torch.linspace(0.01, 3.0, 64)[:, None]  # rows of any scale
+    q = checkpoint.quantize_int8({"w": w, "norm": torch.ones(48)})
+    assert q["w"].dtype == torch.int8 and "norm" + checkpoint.INT8_SCALE not in q
+    back = checkpoint.dequantize_int8(q)
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((back["w"] - w).abs() <= step / 2 + 1e-6).all()
+    assert set(back) == {"w", "norm"}
+
+    target = tiny_model("llama", seed=3, layers=2)
+    drafter = D3DDrafter.from_target(target, [0, 1], block_size=8)
+    drafter.save(tmp_path / "q8", int8=True)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "q8" / "drafter.safetensors"))
+    assert any(v.dtype == torch.int8 for v in stored.values())
+    loaded = D3DDrafter.load(tmp_path / "q8", target)
+    for name, p in drafter.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name:
+            continue
+        torch.testing.assert_close(dict(loaded.named_parameters())[name], p, atol=0.05, rtol=0.02)
+
+
 def test_drafter_vocab_must_match_target(tmp_path):
     D3DDrafter.from_target(tiny_model("llama", vocab=101), 1).save(tmp_path / "ckpt")
     with pytest.raises(DrafterError, match="vocabulary"):
