@@ -42,9 +42,9 @@ from app.metrics import Metrics
 from app.prepared import Prepared
 from app.settings import ServeSettings
 from app.worker import Job, Models, admit, build_prompt
+from d3d.backends.sizes import kv_bytes_per_token
 from d3d.config import SamplingConfig
 from d3d.decoding.sampling import TokenLogprob
-from d3d.model.memory import kv_bytes_per_token
 from d3d.vllm import VLLM_VERSION
 from d3d.vllm.engine import engine_args, prepare_env, speculative_config
 from d3d.vllm.proposer import worker_cores

@@ -56,10 +56,10 @@ from compression.reading import (
 )
 from compression.selection import smooth
 from compression.units import Chunk
+from d3d.backends.hf import trim_cache
 from d3d.config import DEFAULT_BLOCK_SIZE
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
-from d3d.model.hf import trim_cache
 
 REDUCTIONS = ("max", "mean")
 

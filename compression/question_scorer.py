@@ -51,9 +51,9 @@ from compression.reading import parallel_map, reader_workers
 from compression.scorers import contrast
 from compression.selection import spread
 from compression.units import Chunk, fixed_chunks
+from d3d.backends.hf import trim_cache
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
-from d3d.model.hf import trim_cache
 
 LEAD = "\n\nQuestion:"  # the question's ids start with their space
 SUFFIX_TAIL = 64  # question tokens taken from the suffix's end when the parts carry no question

@@ -17,7 +17,7 @@ import sys
 import time
 from importlib.metadata import entry_points
 
-from d3d.config import MODES, ConfigError, DecodeConfig, ModelConfig, SamplingConfig
+from d3d.config import BACKENDS, MODES, ConfigError, DecodeConfig, ModelConfig, SamplingConfig
 from d3d.model.drafter import DrafterError
 from d3d.model.load import ModelLoadError
 
@@ -58,6 +58,14 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument(
+        "--backend",
+        default=None,
+        choices=list(BACKENDS),
+        help="how the target runs its steps (D3D_BACKEND): auto (the default: cuda on a GPU, "
+        "cpu on the CPU), reference (the model's own forward, PyTorch attention), cpu (every "
+        "CPU tuning), cuda (fixed-slot KV, decode steps as CUDA graphs)",
+    )
+    g.add_argument(
         "--max-kv-tokens",
         type=int,
         default=None,
@@ -95,6 +103,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         drafter_device=args.drafter_device,
         dtype=args.dtype,
         threads=args.threads,
+        backend=getattr(args, "backend", None),
         pack=False if getattr(args, "no_pack", False) else None,
         fuse=False if getattr(args, "no_fuse", False) else None,
         costs_dir=_costs_dir(args),

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 MODES = ("auto", "ar", "sync", "async")
+BACKENDS = ("auto", "reference", "cpu", "cuda")  # d3d.backends.NAMES
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -192,8 +193,9 @@ class ModelConfig:
     drafter_device: str | None = None
     dtype: str = "auto"
     threads: int | None = None
-    pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.model.packing)
-    fuse: bool = True  # vLLM's CPU kernels where installed (d3d.model.fused, .packing)
+    backend: str = "auto"  # how the target runs: auto, reference, cpu, cuda (d3d.backends)
+    pack: bool = True  # float32 CPU linear maps prepacked for oneDNN (d3d.backends.cpu.packing)
+    fuse: bool = True  # vLLM's CPU kernels where installed (d3d.backends.cpu.fused, .packing)
     costs_dir: str | None = None  # keep auto's measured costs here between processes
     max_kv_tokens: int | None = None  # the target's KV budget (None: from free device memory)
     prefix_cache: str = "auto"  # the target's prefix-cache budget (CacheBudget.parse)
@@ -207,6 +209,11 @@ class ModelConfig:
             f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
         )
         _check(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+        _check(
+            self.backend in BACKENDS,
+            "backend",
+            f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}",
+        )
         _check(
             self.max_kv_tokens is None or self.max_kv_tokens >= 16,
             "max_kv_tokens",
@@ -227,7 +234,7 @@ class ModelConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> ModelConfig:
         """Build from ``D3D_TARGET``, ``D3D_DRAFTER``, ``D3D_TARGET_DEVICE``, ``D3D_DRAFTER_DEVICE``,
-        ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_PACK`` (``0``: no prepacked linear maps), ``D3D_FUSE``
+        ``D3D_DTYPE``, ``D3D_THREADS``, ``D3D_BACKEND`` (:mod:`d3d.backends`), ``D3D_PACK`` (``0``: no prepacked linear maps), ``D3D_FUSE``
         (``0``: none of vLLM's CPU kernels),
         ``D3D_COSTS_DIR`` (:mod:`d3d.engine.cost_memory`), ``D3D_MAX_KV_TOKENS`` and
         ``D3D_PREFIX_CACHE`` (:class:`CacheBudget`); explicit keyword overrides win when not
@@ -240,6 +247,7 @@ class ModelConfig:
             "drafter_device": env.get("D3D_DRAFTER_DEVICE") or None,
             "dtype": env.get("D3D_DTYPE", "auto"),
             "threads": int(env["D3D_THREADS"]) if env.get("D3D_THREADS") else None,
+            "backend": env.get("D3D_BACKEND") or "auto",
             "pack": _flag(env.get("D3D_PACK", "1")),
             "fuse": _flag(env.get("D3D_FUSE", "1")),
             "costs_dir": env.get("D3D_COSTS_DIR") or None,

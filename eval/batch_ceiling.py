@@ -5,7 +5,7 @@ The load test (:mod:`eval.serve_load`) reports aggregate tokens/s at C clients o
 On a CPU the ratio is capped by how a forward's time grows with its rows: fitted as
 ``t(n) = a + b n`` over n one-token rows (a: reading the weights and the per-step work, b: a
 row's own compute), one client pays ``a + b`` a token, C rows in lockstep ``a / C + b``. This
-script times the engine's :class:`~d3d.engine.target.BatchTarget` (the service's forward: packed
+script times the engine's :class:`~d3d.backends.target.BatchTarget` (the service's forward: packed
 weights, rows in KV slabs, one ragged forward) on C decoding rows at the load test's lengths,
 and a prompt read alone and all C prompts in one forward, and reports the ceiling
 
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from d3d.backends.target import BatchTarget
 from d3d.config import ModelConfig
 from d3d.engine import Engine
 from d3d.engine.calibration import median_seconds
-from d3d.engine.target import BatchTarget
 from eval.serve_load import PROMPTS
 
 

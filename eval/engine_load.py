@@ -34,10 +34,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from d3d.backends.kv import default_kv_tokens
 from d3d.config import ModelConfig
 from d3d.decoding.proposers import ArProposer
 from d3d.engine.front import Engine
-from d3d.engine.kv import default_kv_tokens
 from d3d.engine.request import GenRequest
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 

@@ -140,13 +140,15 @@ class OracleDrafter:
         return _OracleSession(self.target, self.k, self.wrong)
 
 
-def tiny_engine(model: PreTrainedModel, drafter=None, block_size: int | None = None):
+def tiny_engine(model: PreTrainedModel, drafter=None, block_size: int | None = None, backend=None):
     """The library's :class:`~d3d.engine.Engine` over a tiny model and a made-up tokenizer
-    (``block_size``: the copy rounds' block when there is no drafter)."""
+    (``block_size``: the copy rounds' block when there is no drafter; ``backend``: how the
+    target runs, default chosen by its device)."""
     from d3d.engine import Engine
     from d3d.model.load import LoadedModel
 
-    engine = Engine(LoadedModel(model, tiny_tokenizer(model.config.vocab_size), "tiny"), drafter)
+    loaded = LoadedModel(model, tiny_tokenizer(model.config.vocab_size), "tiny")
+    engine = Engine(loaded, drafter, backend=backend)
     if block_size is not None:
         engine.default_block = block_size
     return engine

@@ -8,5 +8,5 @@
 - :mod:`~d3d.decoding.lookup`    copy rounds: drafts copied from the request's own text
 - :mod:`~d3d.decoding.stats`     per-round records and per-request statistics (vLLM names)
 - :mod:`~d3d.decoding.costs`     moving averages and fitted lines of measured costs
-- :mod:`~d3d.decoding.clock`     the one clock, synchronised with the devices
+- :mod:`~d3d.backends.clock`     the one clock, synchronised with the devices
 """

@@ -31,8 +31,8 @@ from typing import Protocol
 
 import torch
 
+from d3d.backends.clock import WALL, Clock
 from d3d.config import SamplingConfig
-from d3d.decoding.clock import WALL, Clock
 from d3d.decoding.verify import Acceptance
 from d3d.model.drafter import Draft
 

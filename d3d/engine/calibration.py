@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from d3d.backends import Backend, for_model
+from d3d.backends.clock import WALL, Clock
 from d3d.config import SamplingConfig
-from d3d.decoding.clock import WALL, Clock
 from d3d.decoding.policy import HostCosts, PositionStats, SpeculationPolicy
 from d3d.decoding.proposers import Drafter
-from d3d.engine.target import BatchTarget
 
 PRIOR_ROUNDS = 8.0  # how many measured rounds a shipped acceptance counts as
 CONTEXT = 64  # tokens of synthetic context the calibration runs on
@@ -82,6 +82,7 @@ def calibrate(
     block_size: int,
     on_switch: Callable[[bool], None] | None = None,
     clock: Clock = WALL,
+    backend: Backend | None = None,
 ) -> dict:
     """Time a plain step, a block verify and a drafter block; enter them into ``host``.
 
@@ -93,7 +94,9 @@ def calibrate(
     vocab = model.get_input_embeddings().num_embeddings
     ctx = [(100 + i) % vocab for i in range(CONTEXT)]
     # The engine's own forward (a batch of one), with a KV budget of its own.
-    target = BatchTarget(model, CONTEXT + 2 * block_size, clock)
+    target = (backend or for_model(model)).target(
+        model, CONTEXT + 2 * block_size, clock, rows=1, block=block_size
+    )
     row = target.kv.open(CONTEXT + block_size)
     switch(False)
     t0 = clock.now()
@@ -138,6 +141,7 @@ def seed(
     read_cost: float = 1.0,
     on_switch: Callable[[bool], None] | None = None,
     clock: Clock = WALL,
+    backend: Backend | None = None,
 ) -> dict | None:
     """Calibrate a fresh host, take the drafter's shipped acceptance, pace the first probe.
 
@@ -146,7 +150,7 @@ def seed(
     already has a plain step's time."""
     if host.step_s.value is not None:
         return None
-    figures = calibrate(host, model, drafter, block_size, on_switch, clock)
+    figures = calibrate(host, model, drafter, block_size, on_switch, clock, backend)
     shares = shipped_acceptance(drafter) if drafter is not None else None
     if shares and not host.accept.observed:
         host.accept = acceptance_prior(shares[: block_size - 1])

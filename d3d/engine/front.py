@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from d3d.backends import Backend, choose
+from d3d.backends.clock import Clock
+from d3d.backends.kv import default_kv_tokens
 from d3d.config import DEFAULT_BLOCK_SIZE, CacheBudget, DecodeConfig, ModelConfig
-from d3d.decoding.clock import Clock
 from d3d.decoding.lookup import CopyDrafts
 from d3d.decoding.policy import HostCosts
 from d3d.decoding.proposers import ArProposer, Proposer
@@ -30,19 +32,14 @@ from d3d.decoding.stats import DecodeStats
 from d3d.engine.calibration import seed
 from d3d.engine.cost_memory import costs_path, load_costs, save_costs
 from d3d.engine.drafter_host import DrafterHost, launch_process
-from d3d.engine.heap import keep_freed_memory
-from d3d.engine.kv import default_kv_tokens
 from d3d.engine.kv_store import PrefixCache
-from d3d.engine.loading import build_drafter, check_device, placement_for
+from d3d.engine.loading import build_drafter, check_device, drafter_backend, placement_for
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import stream
-from d3d.model import lean
 from d3d.model.drafter import D3DDrafter, DrafterError
-from d3d.model.fused import fuse
 from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
-from d3d.model.packing import pack_linears
 from d3d.worker.modes import ModeKit
 from d3d.worker.proposer import BatchedLink
 from d3d.worker.supervisor import Supervisor
@@ -72,10 +69,14 @@ class Engine:
         target: LoadedModel,
         drafter: D3DDrafter | None = None,
         model_cfg: ModelConfig | None = None,
+        backend: Backend | None = None,
     ):
+        """``backend``: how the target runs (:mod:`d3d.backends`; default: chosen by its
+        device)."""
         self.target = target
         self.drafter = drafter
         self.model_cfg = model_cfg
+        self.backend = backend or choose("auto", target.device)
         self.host = HostCosts()
         # The target's KV of prompt prefixes requests share, sized from the memory there is.
         budget = model_cfg.cache_budget if model_cfg is not None else CacheBudget()
@@ -102,24 +103,19 @@ class Engine:
             check_device(cfg.drafter_device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        if cfg.target_device == "cpu":
-            keep_freed_memory()  # large activations reuse pages (d3d.engine.heap)
+        backend = choose(cfg.backend, cfg.target_device, pack=cfg.pack, fuse=cfg.fuse)
         place = placement_for(cfg)
         early = launch_process(cfg, place) if with_drafter and start_worker else None
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
-        if cfg.pack:  # with vLLM's matmul handler where its kernels are wanted and installed
-            pack_linears(target.model, vllm=cfg.fuse)
-        if cfg.fuse and cfg.target_device == "cpu":
-            fuse(target.model)  # vLLM's one-pass norm and rotary kernels (d3d.model.fused)
-            lean.attach(target.model)  # and a forward of its own in them (d3d.model.lean)
+        backend.prepare(target.model)  # packing, kernels, graphs: the backend's
         drafter = (
             build_drafter(cfg.drafter, target, cfg.resolved_drafter_device, share_layers=True)
             if with_drafter
             else None
         )
-        if drafter is not None and cfg.pack:
-            pack_linears(drafter.lm)
-        engine = cls(target, drafter, cfg)
+        if drafter is not None:
+            drafter_backend(cfg).prepare_drafter(drafter.lm)
+        engine = cls(target, drafter, cfg, backend)
         if cfg.costs_dir:
             engine.remember_costs(costs_path(cfg, cfg.costs_dir))
         if early is not None:
@@ -155,6 +151,7 @@ class Engine:
             self._read_cost(),
             self.cpu_budget,
             self.clock,
+            self.backend,
         )
         log.info("calibrated decoding costs: %s", figures)
         return figures
@@ -268,6 +265,7 @@ class Engine:
                 prefill=prefill,
                 clock=self.clock,
                 after_step=self._after_step,
+                backend=self.backend,
             )
         return self._scheduler
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
+from d3d.backends import Backend, choose
 from d3d.config import ModelConfig
 from d3d.engine.placement import Placement, PlacementError, parse_cores, resolve_placement
 from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.load import LoadedModel, ModelLoadError, load_target_part
-from d3d.model.packing import pack_linears
 from d3d.model.specs import borrowed_layers, resolve_spec, self_layers
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,16 @@ class DrafterFactory:
             dtype=self.cfg.dtype,
         )
         drafter = build_drafter(self.cfg.drafter, target, self.device, share_layers=True)
-        if self.cfg.pack:
-            pack_linears(drafter.lm)
+        drafter_backend(self.cfg, self.device).prepare_drafter(drafter.lm)
         return drafter
+
+
+def drafter_backend(cfg: ModelConfig, device: str | None = None) -> Backend:
+    """The backend that readies the drafter's language model on its device (``device``:
+    default the config's drafter device): the CPU's prepacked maps on a CPU, nothing
+    elsewhere (the drafter worker drafts through the model's own forward)."""
+    dev = device or cfg.resolved_drafter_device
+    return choose("cpu" if dev == "cpu" else "reference", dev, pack=cfg.pack, fuse=cfg.fuse)
 
 
 def placement_for(cfg: ModelConfig) -> Placement:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from d3d.engine.kv import RowKV
+from d3d.backends.kv import RowKV
+from d3d.backends.target import BatchTarget
 from d3d.engine.kv_store import PrefixCache
 from d3d.engine.request import Row
-from d3d.engine.target import BatchTarget
 
 
 class SharedPrefixes:

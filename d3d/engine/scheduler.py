@@ -16,7 +16,7 @@ loop. One step reads as the algorithm::
                row's commit in one message, so it drafts step t+1 while the target verifies it
 
 Prompts are read in chunks inside the same forward as the decoding rows (one flat sequence,
-:mod:`d3d.model.ragged`: the weights are read once a step), shortest prompt first, so a short
+:mod:`d3d.backends.ragged`: the weights are read once a step), shortest prompt first, so a short
 request is not queued behind a long document; while rows decode, the chunks may make the step
 at most ``1 + share`` times as long as the rows alone, or half a second where that is more
 (:class:`PrefillBudget`): a long prompt costs running rows a bounded share of each step, never
@@ -40,18 +40,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from d3d.decoding.clock import WALL, Clock
+from d3d.backends import Backend, for_model
+from d3d.backends.clock import WALL, Clock
+from d3d.backends.kv import KvLimitError
 from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.processors import History
 from d3d.decoding.proposers import NO_DRAFT, Proposal, Proposer
 from d3d.decoding.sampling import TokenLogprob, make_generator
 from d3d.decoding.stats import DecodeStats, Round
 from d3d.decoding.verify import Acceptance, accept
-from d3d.engine.kv import KvLimitError
 from d3d.engine.kv_store import PrefixCache
 from d3d.engine.prefixes import SharedPrefixes
 from d3d.engine.request import GenRequest, Row
-from d3d.engine.target import BatchTarget
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +145,15 @@ class Scheduler:
         clock: Clock = WALL,
         window: int | None = None,
         after_step: Callable[[Sequence[Row]], None] | None = None,
+        backend: Backend | None = None,
     ):
         """``proposers(req)`` makes a request's proposer; ``after_step(rows)`` runs after each
         step's commits were observed (the engine sends the worker its commits there, and sizes
-        the target's CPU budget)."""
-        self.target = BatchTarget(model, max_kv_tokens, clock)
+        the target's CPU budget); ``backend``: how the target runs its steps (default: chosen
+        by its device, :mod:`d3d.backends`)."""
+        self.target = (backend or for_model(model)).target(
+            model, max_kv_tokens, clock, rows=max_batch, block=block_size
+        )
         self.kv = self.target.kv
         self.eos_ids = set(eos_ids)
         self.proposers = proposers
@@ -244,7 +248,7 @@ class Scheduler:
 
     # -- the step's forward --------------------------------------------------------------------
     def _forward(self) -> None:
-        t0 = self.clock.now()
+        t0 = self.clock.wall()  # the last step's tokens came back: the devices are idle
         decoding = [r for r in self.rows if r.decoding]
         proposals = self._propose(decoding)
         ids = [[r.tokens[-1], *p.tokens.tolist()] for r, p in zip(decoding, proposals, strict=True)]
@@ -323,7 +327,8 @@ class Scheduler:
             self._round(r, lg, p.tokens, p.q, top)
             for r, p, lg, top in zip(rows, proposals, logits, tops, strict=True)
         ]
-        step_s = self.clock.now() - t0  # waits for blocks + the forward + acceptance
+        now = self.clock.wall()  # after the step's tokens came back: no wait
+        step_s = now - t0  # waits for blocks + the forward + acceptance
         # A hit step: every row that drafted with the worker had its block ready (the drafting
         # was hidden); only those steps are counted as such, against their verify forward.
         hit_step = any(p.hit for p in proposals) and all(p.hit is not False for p in proposals)
@@ -333,7 +338,7 @@ class Scheduler:
             # A round in a wider forward (or beside a prompt) did not pay for it alone.
             own = p.k + 1 == width and not shared
             row.proposer.observe(acc, seconds if own else None)
-            emitted = self._emit(row, acc.tokens, acc.logprobs)
+            emitted = self._emit(row, acc.tokens, acc.logprobs, now)
             row.stats.record(
                 Round(
                     emitted,
@@ -397,18 +402,19 @@ class Scheduler:
         prompt = len(row.req.prompt_ids)
         encoded = max(prompt - st.cached_prompt_tokens, 1)
         row.proposer.observe(Acceptance(0, acc.tokens), row.prefill_s * prompt / encoded)
-        row.first_token_at = self.clock.now()
-        self._emit(row, acc.tokens, acc.logprobs)
+        row.first_token_at = now = self.clock.wall()
+        self._emit(row, acc.tokens, acc.logprobs, now)
 
     # -- output and bookkeeping ----------------------------------------------------------------
     def _emit(
-        self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+        self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None, now: float
     ) -> list[int]:
+        """Commit a round's tokens to the row and its caller (``now``: the step's end)."""
         st, req = row.stats, row.req
         tokens, reason = clip(tokens, row.stops, req.max_new_tokens - st.num_tokens)
         row.tokens += tokens
         st.num_tokens += len(tokens)
-        st.decode_seconds = self.clock.now() - row.first_token_at
+        st.decode_seconds = now - row.first_token_at
         if row.history is not None:
             row.history.commit(tokens)
         if logprobs is not None and req.on_logprobs is not None:

@@ -10,8 +10,8 @@
 - :mod:`~d3d.model.skeleton`   models built on the meta device, then filled
 - :mod:`~d3d.model.masks`      pure builders of 4D masks and position ids
 - :mod:`~d3d.model.memory`     bytes of weights and KV; free device memory
-- :mod:`~d3d.model.packing`    float32 CPU linear maps prepacked for oneDNN
-- :mod:`~d3d.model.fused`      vLLM's one-pass CPU kernels for RMSNorm and rotary, where installed
-- :mod:`~d3d.model.cpu_attention` vLLM's CPU attention kernel over the engine's slabs
-- :mod:`~d3d.model.hf`         shims over transformers versions
+- :mod:`~d3d.backends.cpu.packing`    float32 CPU linear maps prepacked for oneDNN
+- :mod:`~d3d.backends.cpu.fused`      vLLM's one-pass CPU kernels for RMSNorm and rotary, where installed
+- :mod:`~d3d.backends.cpu.attention` vLLM's CPU attention kernel over the engine's slabs
+- :mod:`~d3d.backends.hf`         shims over transformers versions
 """

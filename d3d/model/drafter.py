@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from d3d.backends.hf import cache_length, trim_cache, with_cache
 from d3d.config import DEFAULT_BLOCK_SIZE, SamplingConfig
 from d3d.model import masks
 from d3d.model.adapters import AdapterConfig, GatedAdapters, hide_gated_keys
-from d3d.model.hf import cache_length, trim_cache, with_cache
 from d3d.model.meta import (
     DRAFT_IDS_KEY,
     META_FILE,

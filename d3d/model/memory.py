@@ -1,7 +1,7 @@
 """Memory arithmetic: bytes of weights, KV cache and activations, and a device's free memory.
 
-Pure functions of a model config and a dtype (plus :func:`free_bytes`, which asks the device),
-shared by the engine (the prefix cache's size) and ``d3d plan`` (:mod:`d3d.tools.plan`).
+Pure functions of a model config and a dtype (the KV sizes and a device's free memory come from
+:mod:`d3d.backends.sizes`), shared by the engine (the prefix cache's size) and ``d3d plan`` (:mod:`d3d.tools.plan`).
 
 - KV cache: 2 (keys and values) x layers x KV heads x head dim x bytes per token; Qwen3-8B in
   bf16 holds 144 KiB a token, so the 256 MiB the prefix cache once had kept ~1,800 tokens. The
@@ -16,39 +16,14 @@ shared by the engine (the prefix cache's size) and ``d3d plan`` (:mod:`d3d.tools
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from d3d.backends.sizes import dtype_bytes, free_bytes, kv_bytes_per_token
 from d3d.config import CacheBudget
 
 log = logging.getLogger(__name__)
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def head_dim(config) -> int:
-    return int(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
-
-
-def kv_heads(config) -> int:
-    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-
-
-def kv_token_bytes(layers: int, heads: int, dim: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token adds to ``layers`` layers of ``heads`` KV heads."""
-    return 2 * int(layers) * heads * dim * dtype_bytes(dtype)
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype, layers: int | None = None) -> int:
-    """Bytes of keys and values one token adds to a cache of ``layers`` (default: all) layers."""
-    n = config.num_hidden_layers if layers is None else layers
-    return kv_token_bytes(n, kv_heads(config), head_dim(config), dtype)
 
 
 def activation_bytes_per_row(config, dtype: torch.dtype) -> int:
@@ -66,21 +41,6 @@ def param_bytes(module: nn.Module) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
-
-
-def free_bytes(device: str | torch.device) -> int:
-    """Free memory on ``device``: CUDA's own count, else the host's available memory."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def prefix_cache_bytes(model: nn.Module, budget: CacheBudget) -> int:

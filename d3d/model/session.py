@@ -15,9 +15,9 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from d3d.backends.hf import trim_cache
 from d3d.config import SamplingConfig
 from d3d.decoding.sampling import probabilities
-from d3d.model.hf import trim_cache
 
 
 class BlockDrafter(Protocol):

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
+from d3d.backends.hf import trim_cache, with_cache
 from d3d.model.drafter import D3DDrafter
-from d3d.model.hf import trim_cache, with_cache
 
 
 @dataclass(frozen=True)

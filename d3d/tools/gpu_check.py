@@ -44,9 +44,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from d3d.backends.hf import trim_cache, with_cache
+from d3d.backends.sizes import kv_bytes_per_token
 from d3d.model.drafter import D3DDrafter
-from d3d.model.hf import trim_cache, with_cache
-from d3d.model.memory import kv_bytes_per_token, param_bytes
+from d3d.model.memory import param_bytes
 from d3d.tools.gpu_service import ServiceSettings, run_service, service_errors, service_table
 from d3d.tools.gpu_vllm import run_vllm, vllm_errors
 from d3d.tools.plan import CONFIGS

@@ -21,7 +21,7 @@ once. Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts in
 
 EOS is switched off by the caller's config, so every request runs to its budget and the token
 counts of the modes are equal. Timings come from the engine's own clock, which synchronises the
-devices (:class:`~d3d.decoding.clock.Clock`). A stage that passes its time limit cancels its
+devices (:class:`~d3d.backends.clock.Clock`). A stage that passes its time limit cancels its
 requests and is reported with ``timed_out`` and what it did until then; a stage that fails is
 reported with its error, and the next stage still runs.
 """
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
+from d3d.backends.clock import Clock
 from d3d.config import DEFAULT_BLOCK_SIZE, MODES, ModelConfig
-from d3d.decoding.clock import Clock
 from d3d.decoding.stats import DecodeStats
 from d3d.engine import Engine, GenRequest, PrefillBudget, build_drafter, check_device
 from d3d.model.load import LoadedModel

@@ -35,8 +35,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from d3d.backends.sizes import dtype_bytes, kv_bytes_per_token
 from d3d.model.load import resolve_dtype
-from d3d.model.memory import activation_bytes_per_row, dtype_bytes, kv_bytes_per_token, param_bytes
+from d3d.model.memory import activation_bytes_per_row, param_bytes
 from d3d.model.skeleton import meta_lm
 from d3d.model.specs import self_layers
 

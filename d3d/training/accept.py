@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from d3d.backends.hf import trim_cache
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
-from d3d.model.hf import trim_cache
 from d3d.training.objectives import IGNORE, block_labels
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from d3d.backends.hf import trim_cache, with_cache
 from d3d.model.drafter import D3DDrafter, DrafterMeta
-from d3d.model.hf import trim_cache, with_cache
 from d3d.model.skeleton import finish, meta_lm
 from d3d.training.accept import offline_acceptance
 from d3d.training.train import TrainConfig, train

@@ -26,10 +26,10 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from d3d.backends.hf import cache_length, trim_cache
+from d3d.backends.ragged import KWARG, RaggedCache, Segment
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
-from d3d.model.hf import cache_length, trim_cache
-from d3d.model.ragged import KWARG, RaggedCache, Segment
 
 
 @torch.inference_mode()

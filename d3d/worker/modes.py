@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from d3d.decoding.clock import WALL, Clock
+from d3d.backends.clock import WALL, Clock
 from d3d.decoding.lookup import CopyDrafts
 from d3d.decoding.policy import AutoProposer, HostCosts
 from d3d.decoding.proposers import ArProposer, Proposer, SyncProposer

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from d3d.backends.clock import Clock
 from d3d.config import SamplingConfig
-from d3d.decoding.clock import Clock
 from d3d.decoding.sampling import probabilities
 from d3d.model.drafter import D3DDrafter
 from d3d.model.session import rewind

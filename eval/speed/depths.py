@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from d3d.backends.hf import trim_cache, with_cache
 from d3d.cli import add_model_args, model_config
 from d3d.config import DecodeConfig
-from d3d.model.hf import trim_cache, with_cache
 from d3d.worker.drafting import draft_branches
 
 SAFETY = 0.85

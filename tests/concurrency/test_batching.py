@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from d3d.backends.kv import GROW, KvLimitError, RowKV
 from d3d.config import SamplingConfig
 from d3d.engine import GenRequest, Scheduler
-from d3d.engine.kv import GROW, KvLimitError, RowKV
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import (
     TINY_VOCAB,

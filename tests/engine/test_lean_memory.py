@@ -13,12 +13,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from d3d.backends.sizes import kv_bytes_per_token
 from d3d.config import ConfigError, ModelConfig, SamplingConfig
 from d3d.engine import DrafterFactory, Engine, build_drafter
 from d3d.model.adapters import AdapterConfig
 from d3d.model.drafter import D3DDrafter
 from d3d.model.load import LoadedModel, load_target, load_target_part
-from d3d.model.memory import kv_bytes_per_token
 from d3d.model.specs import borrowed_layers
 from d3d.worker.drafting import encode_chain
 from d3d.worker.protocol import Open

@@ -2,17 +2,19 @@
 uses it decodes losslessly."""
 
 import copy
+import functools
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from d3d.backends.cpu import CpuBackend, fused
+from d3d.backends.cpu import attention as cpu_attention
+from d3d.backends.cpu.groups import SPLIT_WIDTH, attend_group
+from d3d.backends.kv import GROW, KvHooks, RowKV
+from d3d.backends.ragged import ragged_attention
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.engine.kv import GROW, RowKV
-from d3d.engine.target import BatchTarget
-from d3d.model import cpu_attention, fused
 from d3d.model.drafter import D3DDrafter
-from d3d.model.ragged import SPLIT_WIDTH, ragged_attention
 from tests.engine.test_async_lossless import PROMPTS, run
 from tests.unit.test_slabs import assert_each_row_alone
 
@@ -49,7 +51,8 @@ def test_groups_attend_as_each_row_alone(widths, kernel_writes):
 
     layer = Layer()
     setattr(layer, cpu_attention.MODULE_FLAG, isa)
-    kv = RowKV(1, 2, D, torch.float32, "cpu", 64 * GROW, True, isa if kernel_writes else None)
+    write = functools.partial(cpu_attention.write, isa=isa) if kernel_writes else None
+    kv = RowKV(1, 2, D, torch.float32, "cpu", 64 * GROW, True, KvHooks(attend_group, write))
     rows = [kv.open(4 * GROW) for _ in widths]
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -76,7 +79,7 @@ def test_a_model_on_vllms_attention_reads_its_own_logits_and_decodes_losslessly(
     assert fused.fuse(target) > 0 and cpu_attention.paged_attention(target)
     ids = [list(range(3, 40)), [7] * 9]
     with torch.inference_mode():
-        got, want = (BatchTarget(m, 4096) for m in (target, twin))
+        got, want = (CpuBackend().target(m, 4096) for m in (target, twin))
         rows = [[got.kv.open(64) for _ in ids], [want.kv.open(64) for _ in ids]]
         assert all(r.slab is None for r in rows[0])
         a = got.forward(rows[0], ids)

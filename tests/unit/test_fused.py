@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from d3d.backends.cpu import fused
 from d3d.config import ModelConfig
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.model import fused
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_async_lossless import PROMPTS, run

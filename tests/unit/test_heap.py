@@ -10,7 +10,7 @@ import pytest
 CHILD = textwrap.dedent(
     """
     import resource, torch
-    from d3d.engine import heap
+    from d3d.backends.cpu import heap
 
     def cycle():  # ten 8 MB tensors, written, then all freed: 80 MB at the heap's top
         ts = [torch.empty(2 << 20).fill_(1.0) for _ in range(10)]
@@ -50,7 +50,7 @@ def test_freed_activations_are_reused_without_page_faults():
 PRETOUCH = textwrap.dedent(
     """
     import resource, torch
-    from d3d.engine import heap
+    from d3d.backends.cpu import heap
 
     def faults(nbytes):  # fresh blocks of the heap, written
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -84,11 +84,11 @@ def test_pretouched_memory_is_what_the_next_allocations_reuse():
 def test_the_kv_touches_its_short_rows_memory_within_its_budget(monkeypatch):
     import torch
 
-    from d3d.engine.kv import RowKV
+    from d3d.backends.kv import KvHooks, RowKV
 
     asked = []
-    monkeypatch.setattr("d3d.engine.kv.pretouch", lambda n: asked.append(n) or 0.0)
-    kv = RowKV(2, 2, 4, torch.float32, "cpu", max_tokens=10_000)
+    hooks = KvHooks(pretouch=lambda n: asked.append(n) or 0.0)
+    kv = RowKV(2, 2, 4, torch.float32, "cpu", max_tokens=10_000, hooks=hooks)
     kv.pretouch(3)
     kv.pretouch(1000)
     per = kv.bytes_per_token

@@ -1,12 +1,13 @@
-"""The lean forward (d3d.model.lean) computes the model's own logits over the engine's rows, and
+"""The lean forward (d3d.backends.cpu.lean) computes the model's own logits over the engine's rows, and
 decoding through it stays lossless; a model it does not fit runs its own forward."""
 
 import pytest
 import torch
 
+from d3d.backends.cpu import CpuBackend, fused, lean
+from d3d.backends.reference import ReferenceBackend
+from d3d.backends.target import BatchTarget
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.engine.target import BatchTarget
-from d3d.model import fused, lean
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_async_lossless import PROMPTS, run
@@ -40,14 +41,14 @@ def steps(target: BatchTarget, seed: int = 0) -> list[torch.Tensor]:
 def test_lean_logits_are_the_models_own(kind, monkeypatch):
     monkeypatch.setattr(lean, "TABLE_ROWS", 4)  # the table must grow within the sample
     model = fused_model(kind)
-    fast, own = BatchTarget(model, 512), BatchTarget(model, 512, lean=False)
-    assert fast.lean is lean.of(model) and fast.lean.checked and own.lean is None
+    fast, own = CpuBackend().target(model, 512), ReferenceBackend().target(model, 512)
+    assert fast.fast is lean.of(model) and own.fast is None
     calls = []
     real = lean.LeanDecoder.__call__
     monkeypatch.setattr(lean.LeanDecoder, "__call__", lambda *a: calls.append(1) or real(*a))
     for got, want in zip(steps(fast), steps(own), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert len(calls) == 3 and fast.lean.table.shape[0] >= 14
+    assert len(calls) == 3 and fast.fast.table.shape[0] >= 14
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -68,7 +69,7 @@ def test_a_disagreeing_lean_forward_is_dropped(monkeypatch):
     model = fused_model("llama")
     dec = lean.of(model)
     monkeypatch.setattr(dec, "eps", 0.5)  # wrong norms: logits no longer the model's own
-    assert BatchTarget(model, 256).lean is None and lean.of(model) is None
+    assert CpuBackend().target(model, 256).fast is None and lean.of(model) is None
 
 
 def test_models_it_does_not_fit_keep_their_forward():

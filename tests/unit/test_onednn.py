@@ -1,11 +1,11 @@
-"""vLLM's packed matmul through d3d.model.onednn: the same map under every thread budget, and a
+"""vLLM's packed matmul through d3d.backends.cpu.onednn: the same map under every thread budget, and a
 primitive for each (an input under another budget than the handlers' reaches the handler with a
 row stride of its own, which vLLM's per-shape primitive cache keys apart)."""
 
 import pytest
 import torch
 
-from d3d.model import fused, onednn
+from d3d.backends.cpu import fused, onednn
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="vLLM's CPU kernels not installed")
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from d3d.backends.cpu import fused, onednn, packing
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.model import fused, onednn, packing
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_async_lossless import PROMPTS, run

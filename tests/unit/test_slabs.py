@@ -7,13 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from d3d.engine.kv import GROW, RowKV
-from d3d.engine.slabs import FIRST, Slab, next_capacity
-from d3d.model.ragged import SPLIT_WIDTH, ragged_attention
+from d3d.backends.cpu.groups import SPLIT_WIDTH, attend_group
+from d3d.backends.kv import GROW, KvHooks, RowKV
+from d3d.backends.ragged import ragged_attention
+from d3d.backends.slabs import FIRST, Slab, next_capacity
 
 
-def make_kv(max_tokens: int = 64 * GROW, layers: int = 2, keys_t: bool = False) -> RowKV:
-    return RowKV(layers, 2, 4, torch.float32, "cpu", max_tokens, keys_t=keys_t)
+def make_kv(
+    max_tokens: int = 64 * GROW, layers: int = 2, keys_t: bool = False, cpu: bool = False
+) -> RowKV:
+    """A small KV; ``cpu``: with the CPU backend's attention paths (else PyTorch's)."""
+    hooks = KvHooks(attend=attend_group) if cpu else None
+    return RowKV(layers, 2, 4, torch.float32, "cpu", max_tokens, keys_t=keys_t, hooks=hooks)
 
 
 def fill(kv: RowKV, row, n: int, seed: int) -> torch.Tensor:
@@ -101,6 +106,7 @@ def test_the_slabs_never_allocate_past_the_bound():
 WIDE = SPLIT_WIDTH + 5  # a prompt's chunk: attended split at the row's cached length
 
 
+@pytest.mark.parametrize("cpu", [False, True])  # the reference's attention, the CPU backend's
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize(
     "widths",
@@ -109,8 +115,8 @@ WIDE = SPLIT_WIDTH + 5  # a prompt's chunk: attended split at the row's cached l
         [1, WIDE, 1, WIDE, 3],  # two prompt chunks of one width among decoding rows
     ],
 )
-def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa, widths):
-    kv = make_kv(layers=1)
+def test_rows_of_one_width_attend_as_one_group_exactly_as_each_alone(gqa, widths, cpu):
+    kv = make_kv(layers=1, cpu=cpu)
     rows = [kv.open(4 * GROW) for _ in range(4)]
     for i, r in enumerate(rows):
         fill(kv, r, 5 + 7 * i, seed=i)

@@ -5,7 +5,7 @@ drafts, a prompt's next chunk, one after another; N = the sum of the rows' new t
 linear map of the model then reads its weights once for the whole step, and a chunk of prompt
 costs the running rows its own compute only, never a second pass over the weights, and no row
 is padded to another's width. Only attention must stay within a row. The engine's rows
-(:class:`~d3d.engine.kv.RowKV`) keep their keys in slabs (:mod:`d3d.engine.slabs`), and the
+(:class:`~d3d.backends.kv.RowKV`) keep their keys in slabs (:mod:`d3d.backends.slabs`), and the
 rows of a slab that add as many tokens (plain decoding: one each; verifying: a block each) are
 attended as a :class:`Group`: one call per slab, width and layer over the rows' slots (query
 ``[rows, Hq, T, D]`` against keys ``[rows, Hkv, L, D]`` read in place), each row causal from its
@@ -14,12 +14,10 @@ drafter's blocks, which see all their slots) are attended one by one, as a list 
 :class:`Segment` s. Either reaches the attention through the model's keyword arguments, which
 Hugging Face passes down to the attention function.
 
-On a CPU a prompt's chunk (a group at least ``SPLIT_WIDTH`` tokens wide) is attended row by row,
-split at the row's cached length: the cached keys unmasked, the chunk's own keys causal (the
-flash kernel skips the blocks above the diagonal instead of reading a mask over them), the two
-merged by their log-sum-exps. The same attention up to summation order, computed the same way
-whatever else is in the step (measured here, SmolLM2-135M, fp32, two threads: a 2,048-token
-prompt's attention in one chunk 0.56x as long, in chunks of 512 0.9x; its whole reading ~0.94x).
+How a group is attended is the backend's: a :class:`Ragged` may carry an ``attend`` hook (the
+CPU backend's: vLLM's paged kernel, a prompt's chunk split at its cached length, a decode
+group's two matmuls, :mod:`d3d.backends.cpu.attention`) that takes the groups it has a faster
+path for and leaves the rest to PyTorch's ``scaled_dot_product_attention`` here.
 
 It is installed as a wrapper around the ``sdpa`` attention entry (the engine runs its target
 with sdpa): a forward without ``d3d_segments`` (any other caller of the same model, in any
@@ -40,10 +38,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from d3d.model.cpu_attention import MODULE_FLAG, attend
-
 KWARG = "d3d_segments"
-SPLIT_WIDTH = 32  # on a CPU, groups this wide (prompt chunks) are attended split (docstring)
 
 
 @dataclass(frozen=True)
@@ -90,11 +85,19 @@ class Group:
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-step, all layers
 
 
+GroupAttention = Callable[..., bool]
+"""A backend's attention for the groups it has a faster path for: called as ``attend(module,
+query, out, group, layer, scaling)`` with query [1, Hq, N, D] and ``out`` of the same layout,
+it writes the group's rows into ``out`` and returns True, or returns False to leave the group to
+PyTorch's attention."""
+
+
 @dataclass(frozen=True)
 class Ragged:
-    """One ragged forward's rows, in groups attended at once."""
+    """One ragged forward's rows, in groups attended at once; ``attend``: the backend's hook."""
 
     groups: Sequence[Group]
+    attend: GroupAttention | None = None
 
 
 def ragged_attention(
@@ -125,69 +128,16 @@ def ragged_attention(
         return torch.cat([one(s) for s in batch], dim=2).transpose(1, 2).contiguous()
     out = torch.empty_like(query)  # the layout of [1, N, Hq, D]: the transpose below is free
     hq, d = query.shape[1], query.shape[3]
-    cpu = query.device.type == "cpu"
-    paged = getattr(module, MODULE_FLAG, None) if cpu else None  # vLLM's kernel (cpu_attention)
-    if paged is not None:
-        rows = query[0].transpose(0, 1).contiguous()  # [N, Hq, D], free: query's layout
     for g in batch.groups:
-        if paged is not None and g.slab.keys_t:
-            out[0].transpose(0, 1).index_copy_(0, g.outputs, attend(rows, g, layer, scaling, paged))
-            continue
-        if cpu and g.width >= SPLIT_WIDTH:
-            for slot, q0, length in g.rows:
-                k, v = g.slab.keys(layer, slot, 1, length + g.width)
-                o = _chunk_attention(query.narrow(2, q0, g.width), k, v, length, scaling)
-                out[0].narrow(1, q0, g.width).copy_(o[0])
+        if batch.attend is not None and batch.attend(module, query, out, g, layer, scaling):
             continue
         q = query[0].index_select(1, g.queries).view(hq, g.count, g.width, d).transpose(0, 1)
         k, v = g.slab.keys(layer, g.first, g.count, g.n)
-        if cpu and q.dtype == torch.float32:
-            o = _group_attention(q, k, v, g.mask, scaling)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, g.mask, scale=scaling, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q, k, v, g.mask, scale=scaling, enable_gqa=gqa)
         if g.members is not None:  # o: [count, Hq, T, D]
             o = o.index_select(0, g.members)
         out[0].index_copy_(1, g.outputs, o.transpose(0, 1).reshape(hq, -1, d))
     return out.transpose(1, 2).contiguous()
-
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log-sum-exp)
-
-
-def _group_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float | None
-) -> torch.Tensor:
-    """A group's attention on a CPU as two batched matmuls: q [S, Hq, T, D], k / v [S, Hkv, n,
-    D], ``sees`` bool [S, 1, T, n] -> [S, Hq, T, D]. The G = Hq / Hkv query heads that share a
-    key head are one matrix against it, so each key is read once, not once per query head (the
-    flash kernel's way): a decode step is bound by reading the keys; at 64 rows this attention
-    took ~0.6x the kernel's time in isolation, ~0.8x inside a step (keys from memory). Scores in
-    float32, a row's hidden keys at -inf (every query sees at least its row's first key, so no
-    row of the softmax is empty)."""
-    s, hq, t, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    g = hq // hkv
-    scores = torch.matmul(q.reshape(s, hkv, g * t, d), k.transpose(2, 3))  # [S, Hkv, G*T, n]
-    scores = scores.view(s, hkv, g, t, n).mul_(scale if scale is not None else d**-0.5)
-    scores.masked_fill_(~sees.view(s, 1, 1, t, n), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(s, hkv, g * t, n)
-    return torch.matmul(probs, v).view(s, hq, t, d)
-
-
-def _chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float | None
-) -> torch.Tensor:
-    """One row's T new tokens after ``past`` cached ones: q [1, Hq, T, D], k / v [1, Hkv, n,
-    D] (n >= past + T) -> [1, Hq, T, D]. The chunk's own keys causal, the cached keys
-    unmasked, merged by the two parts' log-sum-exps."""
-    t = q.shape[2]
-    own = (k.narrow(2, past, t), v.narrow(2, past, t))
-    o2, l2 = _FLASH(q, *own, 0.0, True, scale=scale)
-    if past == 0:
-        return o2
-    o1, l1 = _FLASH(q, k.narrow(2, 0, past), v.narrow(2, 0, past), 0.0, False, scale=scale)
-    w1 = torch.sigmoid(l1 - l2).unsqueeze(-1)  # e^l1 / (e^l1 + e^l2)
-    return torch.lerp(o2, o1, w1.to(o1.dtype))
 
 
 class RaggedCache(Cache):

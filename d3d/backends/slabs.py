@@ -4,7 +4,7 @@ A slab holds every row whose capacity is C, per layer in key and value tensors `
 (S slots), its live rows packed in slots ``0 .. n-1``: a row that leaves is replaced by the last
 one (its committed keys copied over, the only copy a row ever costs besides growing). Because
 the rows of a slab are one tensor, the attention of its rows that add as many tokens (decoding:
-one each; verifying: a block each) is one call per layer (:class:`~d3d.model.ragged.Group`),
+one each; verifying: a block each) is one call per layer (:class:`~d3d.backends.ragged.Group`),
 never one per row (a call costs ~15-25 us of CPU, a kernel
 launch on a GPU: at 64 rows and 30 layers, ~2,000 of them a step).
 
@@ -23,7 +23,7 @@ in inference mode.
 
 A store may keep its keys transposed, ``[S, Hkv, D, C]`` (``keys_t``): the layout vLLM's CPU
 attention kernel reads a block's keys in, a slot being one block
-(:mod:`d3d.model.cpu_attention`). :meth:`Slab.keys` gives the same ``[count, Hkv, n, D]`` either
+(:mod:`d3d.backends.cpu.attention`). :meth:`Slab.keys` gives the same ``[count, Hkv, n, D]`` either
 way (a view), so every other reader is unchanged.
 
 Letters: S slots, C capacity (positions per slot), Hkv KV heads, D head dim, L layers.

@@ -13,7 +13,7 @@ Where vLLM's CPU build is installed, the packed copy is vLLM's oneDNN matmul han
 torch's (``create_onednn_mm``: the same library, with a primitive cached per input size): in the
 engine's forward it made 16- and 32-row decode steps 0.90-0.93x as long as torch's
 ``mkldnn._linear_pointwise`` (64 rows 0.97-1.0x, prefill the same), because torch sets up each
-call's primitive anew. Its calls go through :mod:`d3d.model.onednn`, which keeps a primitive for
+call's primitive anew. Its calls go through :mod:`d3d.backends.cpu.onednn`, which keeps a primitive for
 each thread budget (vLLM's cache would otherwise keep one built for the reduced budget of a
 speculative step and run later full-budget steps of that size on fewer threads).
 
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.model import fused, onednn
+from d3d.backends.cpu import fused, onednn
 
 log = logging.getLogger(__name__)
 

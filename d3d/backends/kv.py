@@ -1,7 +1,7 @@
 """The target's KV cache: keys and values per row, each growing with its row, under a budget.
 
 Every row (a running request) owns a slot of capacity C in the slab of that capacity
-(:mod:`d3d.engine.slabs`): C grows with the row (doubling, in multiples of ``GROW`` positions,
+(:mod:`d3d.backends.slabs`): C grows with the row (doubling, in multiples of ``GROW`` positions,
 never past what the row reserved), so a long request among short ones costs its own length,
 never the longest row's times the batch; a row's keys are one view, read in place by attention
 (no gather, no copy per step), and the rows of a slab that add as many tokens are read in one call.
@@ -12,8 +12,8 @@ whose message names the limit). What is allocated at any moment is the slabs' sl
 than the budget (or the open rows' reservations rounded up to ``GROW``, if that is more).
 
 A forward covers any list of rows, each with its own number T_r of new tokens, flattened into
-one sequence of N tokens (:mod:`d3d.model.ragged`). :meth:`RowKV.begin` gives the position ids
-and the rows' :class:`~d3d.model.ragged.Ragged` (a group per slab and number of new tokens: one
+one sequence of N tokens (:mod:`d3d.backends.ragged`). :meth:`RowKV.begin` gives the position ids
+and the rows' :class:`~d3d.backends.ragged.Ragged` (a group per slab and number of new tokens: one
 attention call and one key write per group and layer); :meth:`RowKV.update` (the Hugging Face ``Cache``
 hook, called once per layer) writes each row's new keys at its own length, and the ragged
 attention reads the row's slot up to its length plus T_r. Nothing is kept until
@@ -25,20 +25,38 @@ Letters: N new tokens of a forward, C a row's capacity, Hkv KV heads, D head dim
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from d3d.engine.heap import pretouch
-from d3d.engine.slabs import GROW, SHORT, KvRow, SlabStore, next_capacity, round_up
-from d3d.model.cpu_attention import paged_attention, write
-from d3d.model.memory import free_bytes, head_dim, kv_bytes_per_token, kv_heads, kv_token_bytes
-from d3d.model.ragged import Group, Ragged, RaggedCache
+from d3d.backends.ragged import Group, GroupAttention, Ragged, RaggedCache
+from d3d.backends.sizes import free_bytes, head_dim, kv_bytes_per_token, kv_heads, kv_token_bytes
+from d3d.backends.slabs import GROW, SHORT, KvRow, SlabStore, next_capacity, round_up
 
-__all__ = ["GROW", "KvLimitError", "KvRow", "RowKV", "default_kv_tokens"]
+__all__ = ["GROW", "KvHooks", "KvLimitError", "KvRow", "RowKV", "default_kv_tokens"]
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # a kernel group's: the kernel masks by lengths
+
+
+KernelWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class KvHooks:
+    """What a backend adds to the slab KV (none: the reference's PyTorch paths).
+
+    ``attend``: its attention for groups of rows (:data:`~d3d.backends.ragged.GroupAttention`).
+    ``write``: a kernel that writes a group's new keys and values [N, Hkv, D] itself, called as
+    ``write(keys, values, slab_k, slab_v, at)`` with ``at`` [N] = slot * C + position, into
+    slabs that keep their keys transposed; such a kernel also attends a slab's rows as one group
+    whatever each adds. ``pretouch(nbytes)``: fault in that much KV memory ahead of a burst
+    (seconds taken, or None where it does nothing)."""
+
+    attend: GroupAttention | None = None
+    write: KernelWrite | None = None
+    pretouch: Callable[[int], float | None] | None = None
 
 
 class KvLimitError(ValueError):
@@ -74,7 +92,7 @@ class RowKV(RaggedCache):
         device: torch.device | str,
         max_tokens: int,
         keys_t: bool = False,
-        isa: str | None = None,
+        hooks: KvHooks | None = None,
     ):
         super().__init__(num_layers)
         if max_tokens < 1:
@@ -87,25 +105,22 @@ class RowKV(RaggedCache):
         self.store = SlabStore(
             (num_layers, kv_heads, head_dim), dtype, self.device, self.bound_tokens, keys_t
         )
-        self.isa = isa if keys_t else None  # vLLM's kernel writes the keys (cpu_attention.write)
+        self.hooks = hooks or KvHooks()
+        self.kernel_write = self.hooks.write if keys_t else None  # writes keys it reads itself
         # one per group: (group, slots, positions), or kernel-written (group, slot * C + position)
         self._writes: list[tuple] = []
 
     @classmethod
-    def for_model(cls, model, max_tokens: int) -> RowKV:
+    def for_model(
+        cls, model, max_tokens: int, keys_t: bool = False, hooks: KvHooks | None = None
+    ) -> RowKV:
+        """A KV of ``model``'s shape, dtype and device (``keys_t``, ``hooks``: the backend's)."""
         cfg = model.config
         p = next(model.parameters())
-        isa = paged_attention(model)  # keys stored as vLLM's kernel reads them (cpu_attention)
         return cls(
-            cfg.num_hidden_layers,
-            kv_heads(cfg),
-            head_dim(cfg),
-            p.dtype,
-            p.device,
-            max_tokens,
-            isa is not None,
-            isa,
-        )
+            cfg.num_hidden_layers, kv_heads(cfg), head_dim(cfg), p.dtype, p.device, max_tokens,
+            keys_t, hooks,
+        )  # fmt: skip
 
     # -- the budget ----------------------------------------------------------------------------
     @property
@@ -126,12 +141,12 @@ class RowKV(RaggedCache):
         return max(self.max_tokens, sum(round_up(max(r.reserved, r.length)) for r in self.rows))
 
     def pretouch(self, rows: int) -> float | None:
-        """On a CPU, fault in the memory of ``rows`` short requests' KV (``SHORT`` tokens each,
-        within the budget) and leave it free for the slabs (:func:`d3d.engine.heap.pretouch`);
-        the seconds it took, or None (another device, or not glibc)."""
-        if self.device.type != "cpu":
+        """Fault in the memory of ``rows`` short requests' KV (``SHORT`` tokens each, within the
+        budget) ahead of a burst, where the backend can (:class:`KvHooks`); the seconds it took,
+        or None."""
+        if self.hooks.pretouch is None:
             return None
-        return pretouch(min(self.max_tokens, rows * SHORT) * self.bytes_per_token)
+        return self.hooks.pretouch(min(self.max_tokens, rows * SHORT) * self.bytes_per_token)
 
     def check(self, need: int) -> None:
         """Raise :class:`KvLimitError` if ``need`` tokens could never fit."""
@@ -164,7 +179,7 @@ class RowKV(RaggedCache):
 
     # -- storage -------------------------------------------------------------------------------
     def ensure(self, row: KvRow, length: int) -> None:
-        """Give ``row`` room for ``length`` positions (see :func:`~d3d.engine.slabs.next_capacity`)."""
+        """Give ``row`` room for ``length`` positions (see :func:`~d3d.backends.slabs.next_capacity`)."""
         if length > row.capacity:
             capacity = next_capacity(row.capacity, length, row.reserved)
             coming = 0
@@ -201,13 +216,13 @@ class RowKV(RaggedCache):
     def begin(self, rows: Sequence[KvRow], widths: Sequence[int]) -> tuple[torch.Tensor, Ragged]:
         """Prepare a ragged forward where row b appends ``widths[b]`` tokens (one after another
         in a flat sequence of N). Returns (position ids [1, N], the rows for
-        :func:`~d3d.model.ragged.ragged_attention`); the next ``update`` calls write row b's new
+        :func:`~d3d.backends.ragged.ragged_attention`); the next ``update`` calls write row b's new
         keys at its positions ``len_b .. len_b + widths[b] - 1``."""
         for r, w in zip(rows, widths, strict=True):
             self.ensure(r, r.length + w)  # rows may change slots here: read slots after
         positions, alike = [], {}
         q = 0
-        kernel = self.isa is not None  # vLLM's kernel: a slab's rows are one group, any widths
+        kernel = self.kernel_write is not None  # a slab's rows are one group, any widths
         for r, w in zip(rows, widths, strict=True):
             positions.append(torch.arange(r.length, r.length + w, device=self.device))
             key = (r.slab, 0 if kernel else w)
@@ -221,11 +236,11 @@ class RowKV(RaggedCache):
             else self._group(slab, w, [i[:3] for i in items], whole)
             for (slab, w), items in alike.items()
         ]
-        return torch.cat(positions)[None, :], Ragged(groups)
+        return torch.cat(positions)[None, :], Ragged(groups, self.hooks.attend)
 
     def _kernel_group(self, slab, items: list[tuple[int, int, int, int]], alone: bool) -> Group:
-        """One call of vLLM's kernel for the rows of ``slab``: items are (slot, first query,
-        length, width); the kernel takes each row's queries as a span and writes its keys."""
+        """One kernel call for the rows of ``slab``: items are (slot, first query, length,
+        width); the kernel takes each row's queries as a span and writes its keys."""
         items.sort()
         outputs = [q + t for _, q, _, w in items for t in range(w)]
         whole = alone and outputs == list(range(len(outputs)))
@@ -294,12 +309,12 @@ class RowKV(RaggedCache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write each row's new keys [1, Hkv, T_r, D] (of [1, Hkv, N, D]) after its length.
         Returns the new keys as given: the ragged attention reads the rows' slots."""
-        if self.isa is not None:  # vLLM's kernel, one call per group
+        if self.kernel_write is not None:  # the backend's kernel, one call per group
             keys, values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
             for g, at in self._writes:
                 k = keys if g.whole else keys.index_select(0, g.outputs)  # [rows * T, Hkv, D]
                 v = values if g.whole else values.index_select(0, g.outputs)
-                write(k, v, g.slab.k[layer_idx], g.slab.v[layer_idx], at, self.isa)
+                self.kernel_write(k, v, g.slab.k[layer_idx], g.slab.v[layer_idx], at)
             return key_states, value_states
         for g, slots, at in self._writes:  # one write per group of rows
             k = key_states[0].index_select(1, g.outputs).transpose(0, 1)  # [rows * T, Hkv, D]

@@ -20,14 +20,14 @@ what the model's own code computes (to float rounding):
   PyTorch's code, bit for bit.
 
 - where vLLM's CPU attention kernel takes the model's head shape, its attention modules are
-  marked for it (:mod:`d3d.model.cpu_attention`; the engine's KV then stores keys as the kernel
+  marked for it (:mod:`d3d.backends.cpu.attention`; the engine's KV then stores keys as the kernel
   reads them).
 
 Either falls back to the model's own code for an input it does not fit: autograd wanted, a
 device other than the CPU, a layout the kernel does not read (partial rotary, batch rows with
 their own positions). Greedy output stays lossless by construction: every decoding mode of the
 engine runs the same fused model, as every mode runs the same prepacked linear maps
-(:mod:`d3d.model.packing`). Without vLLM (or with ``D3D_FUSE=0`` / ``--no-fuse``) nothing changes.
+(:mod:`d3d.backends.cpu.packing`). Without vLLM (or with ``D3D_FUSE=0`` / ``--no-fuse``) nothing changes.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d3d.model import cpu_attention
+from d3d.backends.cpu import attention as cpu_attention
 
 log = logging.getLogger(__name__)
 

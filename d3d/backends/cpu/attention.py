@@ -2,7 +2,7 @@
 
 vLLM's CPU build ships a varlen attention over a paged KV cache (``cpu_attention_with_kv_cache``):
 for each request its new queries against its keys, causal from its cached length, read through a
-block table. The engine's slabs (:mod:`d3d.engine.slabs`) are such a cache already when a slot is
+block table. The engine's slabs (:mod:`d3d.backends.slabs`) are such a cache already when a slot is
 taken as one block (a slab's capacity is a multiple of 64, the kernel takes multiples of 32) and
 the keys are stored as the kernel reads a block's keys, transposed (``[S, Hkv, D, C]``, found by
 writing through vLLM's ``cpu_attn_reshape_and_cache``); values are stored as the slabs store them.
@@ -13,7 +13,7 @@ a 2,048-token prompt, 0.69x / 0.89x for a 16- / 64-row decode step (two matmuls)
 :func:`enable` marks a model's attention modules when the kernel, on a sample slab of the model's
 head shape, gives what PyTorch's attention gives; :func:`paged_attention` tells the engine's KV to
 keep its keys transposed for such a model. :func:`attend` is one group's attention, called by
-:func:`~d3d.model.ragged.ragged_attention` only for a marked module over a transposed slab (any
+:func:`~d3d.backends.ragged.ragged_attention` only for a marked module over a transposed slab (any
 other model, or rows with a mask of their own, keep their paths). The kernel's per-step schedule
 is built once per group and shared by every layer (``Group.memo``).
 

@@ -23,12 +23,12 @@ Measured against the Hugging Face forward with the same fused kernels, in one pr
 (the fused maps compute each output column as the separate ones do).
 
 :func:`attach` builds one for a model where vLLM's CPU build is installed and every layer has
-the expected form (checked by structure here; the engine also checks a sample of logits against
-the model's own forward before using it: :class:`~d3d.engine.target.BatchTarget`). It is kept
+the expected form (checked by structure here; the CPU backend also checks a sample of logits
+against the reference before using it: :mod:`d3d.backends.cpu`). It is kept
 beside the model, not on it, so a deep copy of the model carries none. The packed maps are
 vLLM's oneDNN handlers, which own their packed weights (the model's modules keep theirs for
 every other caller: the drafter's shared layers, autograd, another device), called through
-:mod:`d3d.model.onednn` (a primitive for each thread budget).
+:mod:`d3d.backends.cpu.onednn` (a primitive for each thread budget).
 
 Letters: N new tokens of the forward, M kept positions, H hidden, Hq / Hkv heads, D head dim,
 I the MLP's inner width, V vocab.
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.model import fused, onednn
-from d3d.model.ragged import ragged_attention
+from d3d.backends.cpu import fused, onednn
+from d3d.backends.ragged import ragged_attention
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,6 @@ class LeanDecoder:
         self.head = model.get_output_embeddings()
         self.rotary = inner.rotary_emb
         self.table = self._table(TABLE_ROWS)
-        self.checked = False  # the engine compared a sample with the model's own forward
 
     def _table(self, rows: int) -> torch.Tensor:
         """The rotary kernel's table [rows, D]: cos | sin halves at positions 0 .. rows-1."""

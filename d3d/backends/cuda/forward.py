@@ -1,0 +1,170 @@
+"""The CUDA backend's decode step: a Llama-family forward over rows in fixed slots, written so
+that one call can be captured as a CUDA graph and replayed.
+
+A decode step is B rows (the KV's slots 0 .. B-1) that each add T tokens (1: a plain step; K+1:
+an anchor and its drafts). Everything the step reads is a tensor at a fixed address
+(:class:`StepInputs`: ids, positions and each slot's cached length), and the KV is one tensor
+per layer and key / value, ``[S, Hkv, C, D]`` (:mod:`d3d.backends.cuda.kv`), so a replay reads
+the current values of both. The step, per layer::
+
+    x = norm_in(h)
+    q, k, v = x Wq, x Wk, x Wv              (Qwen3: per-head RMSNorm of q and k)
+    rotate q, k at their positions          the model's own rotary table and rule
+    K[slot, :, pos] = k; V[...] = v         the new keys land after each row's length
+    h += attend(q, K[:B, :, :n], V[...]) Wo  a row's query t sees its keys 0 .. length + t
+    h += mlp(norm_post(h))
+
+and the final norm; the LM head runs outside (:meth:`StaticForward.head`) on the positions that
+need logits only, so a graph's output is the hidden states [B*T, H], not [B*T, V].
+
+Attention reads the first n positions of the B slots in place (n: a power of two that covers
+the longest row, :func:`attended`), the G = Hq / Hkv query heads that share a key head stacked
+as one matrix of G*T queries against it (each key is read once, no repeated KV), masked by each
+row's length: one ``scaled_dot_product_attention`` call per layer for the whole step.
+
+The modules' own code runs the norms, projections, the MLP and the rotary table (the model's
+RMSNorm, ``nn.Linear`` and MLP modules, its ``rotary_emb`` and its modeling module's
+``apply_rotary_pos_emb``), so the numbers are the model's own up to summation order; only the
+attention and the KV writes are this module's. :func:`unfit` says why a model cannot run it.
+
+Letters: B rows (slots), T new tokens a row, N = B*T, S slots, C a slot's capacity, n keys
+attended, H hidden, Hq / Hkv heads, G = Hq / Hkv, D head dim, M kept positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
+MIN_ATTENDED = 256  # the fewest keys a step attends (n is a power of two from here up to C)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A decode step's inputs at fixed addresses: ids and positions [B, T], lengths [B] (each
+    slot's cached tokens: its new keys go to positions length .. length + T - 1)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, width: int, device: torch.device) -> StepInputs:
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        return cls(z(rows, width), z(rows, width), z(rows))
+
+    def fill(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Copy a step's ids [B, T] and lengths [B] in (positions follow from the lengths)."""
+        t = torch.arange(self.ids.shape[1], device=self.ids.device)
+        self.ids.copy_(ids, non_blocking=True)
+        self.lengths.copy_(lengths, non_blocking=True)
+        torch.add(self.lengths[:, None], t[None, :], out=self.positions)
+
+
+def attended(longest: int, capacity: int) -> int:
+    """Keys a step attends: the power of two (at least :data:`MIN_ATTENDED`) that covers
+    ``longest`` (a row's length plus its new tokens), at most ``capacity``."""
+    n = MIN_ATTENDED
+    while n < longest:
+        n *= 2
+    return min(n, capacity)
+
+
+def unfit(model: nn.Module) -> str:
+    """Why ``model`` cannot run :class:`StaticForward` ('' when it can)."""
+    inner = getattr(model, "model", None)
+    cfg = getattr(model, "config", None)
+    layers = getattr(inner, "layers", None)
+    if cfg is None or not layers or not hasattr(inner, "embed_tokens"):
+        return "not a Llama-family model"
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(inner, "norm", None) is None:
+        return "no shared rotary embedding or final norm"
+    rope = getattr(rotary, "rope_type", "default")
+    if rope not in STATIC_ROPE:  # a table that depends on the length would sync in a graph
+        return f"rotary embedding {rope!r}"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window attention"
+    for layer in layers:
+        a = getattr(layer, "self_attn", None)
+        need = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+        if a is None or not all(hasattr(a, x) for x in need):
+            return "an attention module of another form"
+        if _rope_rule(a) is None:
+            return "no apply_rotary_pos_emb in its modeling module"
+        if not all(hasattr(layer, x) for x in ("input_layernorm", "post_attention_layernorm")):
+            return "a decoder layer of another form"
+        if getattr(layer, "attention_type", "full_attention") != "full_attention":
+            return "a layer that is not full attention"
+    return ""
+
+
+def _rope_rule(attn: nn.Module) -> Callable | None:
+    return getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+
+
+class StaticForward:
+    """A decode step of ``model`` over the slot KV ``keys`` / ``values`` (module docstring)."""
+
+    def __init__(self, model: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        inner = model.model
+        self.inner = inner
+        self.layers = list(inner.layers)
+        self.head_module = model.get_output_embeddings()
+        a = self.layers[0].self_attn
+        cfg = model.config
+        self.hq = cfg.num_attention_heads
+        self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
+        self.d = a.head_dim
+        self.scaling = a.scaling
+        self.rope = _rope_rule(a)
+        self.keys, self.values = keys, values  # per layer: [S, Hkv, C, D]
+
+    @torch.inference_mode()
+    def __call__(self, x: StepInputs, n: int) -> torch.Tensor:
+        """The step's hidden states after the final norm, [B*T, H]; writes the new keys."""
+        b, t = x.ids.shape
+        hq, hkv, d = self.hq, self.hkv, self.d
+        g = hq // hkv
+        ids, pos = x.ids.reshape(-1), x.positions.reshape(1, -1)  # [N], [1, N]
+        h = self.inner.embed_tokens(ids)  # [N, H]
+        cos, sin = self.inner.rotary_emb(h[None], pos)  # [1, N, D] each
+        slots = torch.arange(b, device=ids.device).repeat_interleave(t)  # [N]
+        at = pos[0]  # [N]: each new key's position in its slot
+        # query (g, t) of a row sees key j where j <= length + t: [B, 1, G*T, n]
+        keys_at = torch.arange(n, device=ids.device)
+        sees = (
+            keys_at[None, None, :]
+            <= (x.lengths[:, None] + torch.arange(t, device=ids.device))[:, :, None]
+        )  # [B, T, n]
+        mask = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            xs = layer.input_layernorm(h)
+            q = a.q_proj(xs).view(b * t, hq, d)
+            k = a.k_proj(xs).view(b * t, hkv, d)
+            v = a.v_proj(xs).view(b * t, hkv, d)
+            if getattr(a, "q_norm", None) is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q4, k4 = self.rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+            self.keys[i][slots, :, at] = k4[0].transpose(0, 1)  # [N, Hkv, D] into [S, Hkv, C, D]
+            self.values[i][slots, :, at] = v
+            # [1, Hq, N, D] -> [B, Hkv, G*T, D]: the query heads of a key head, row by row
+            qb = q4[0].view(hkv, g, b, t, d).permute(2, 0, 1, 3, 4).reshape(b, hkv, g * t, d)
+            kb = self.keys[i].narrow(0, 0, b).narrow(2, 0, n)  # [B, Hkv, n, D], in place
+            vb = self.values[i].narrow(0, 0, b).narrow(2, 0, n)
+            o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
+            o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
+            h = h + a.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.inner.norm(h)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [M, V] of final hidden states [M, H]."""
+        return self.head_module(hidden)

@@ -1,0 +1,71 @@
+"""CUDA graphs of the decode step, one per shape, captured on first use and replayed after.
+
+A step's shape is (B rows, T tokens a row, n keys attended); its inputs live in one
+:class:`~d3d.backends.cuda.forward.StepInputs` per (B, T), so every graph of that (B, T) reads
+the same addresses. The first step of a shape runs once eagerly on a side stream (cuBLAS and the
+allocator settle), is captured into a graph that shares one memory pool with every other, and
+is replayed at once, so it computes what an eager step would. The warm-up and the capture write
+the step's new keys exactly where the step itself writes them (after each row's committed
+length, positions no committed token holds), so capturing among live rows harms none. Later
+steps of that shape copy their inputs in and replay: one launch for the whole forward.
+
+:class:`Eager` has the same interface and runs the step each time (the CPU, tests, and
+``graphs=False``).
+
+Letters: B rows, T tokens a row, n keys attended, H hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from d3d.backends.cuda.forward import StepInputs
+
+Step = Callable[[StepInputs, int], torch.Tensor]  # (inputs, n) -> hidden states [B*T, H]
+
+
+class Eager:
+    """Runs the step each time."""
+
+    captured = 0
+
+    def __init__(self, step: Step):
+        self.step = step
+
+    def run(self, inputs: StepInputs, n: int) -> torch.Tensor:
+        return self.step(inputs, n)
+
+
+class Graphs:
+    """A CUDA graph per (B, T, n), captured on first use (module docstring)."""
+
+    def __init__(self, step: Step):
+        self.step = step
+        self.pool = None  # one memory pool shared by every graph (they never run at once)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def captured(self) -> int:
+        return len(self.graphs)
+
+    def run(self, inputs: StepInputs, n: int) -> torch.Tensor:
+        b, t = inputs.ids.shape
+        key = (b, t, n)
+        if key in self.graphs:
+            graph, out = self.graphs[key]
+            graph.replay()
+            return out
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(inputs, n)  # warm-up: kernels chosen, workspaces allocated
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.step(inputs, n)
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, out)
+        graph.replay()  # capturing ran nothing: this is the step
+        return out

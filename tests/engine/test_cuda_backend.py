@@ -1,0 +1,140 @@
+"""The cuda backend's step code, run on the CPU (everything but the capture): decode steps over
+fixed slots give the reference's logits, and every mode decodes through it exactly as ``ar``
+does, alone and in batches with rows joining, leaving and moving slots. On a GPU the same steps
+replayed from CUDA graphs give the eager step's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.backends import choose
+from d3d.backends.cuda import CudaBackend, CudaTarget
+from d3d.backends.cuda.forward import attended, unfit
+from d3d.backends.cuda.kv import MIN_CAPACITY, SlotLimitError, StaticKV, static_shape
+from d3d.backends.reference import ReferenceBackend
+from d3d.engine import GenRequest
+from d3d.model.drafter import D3DDrafter
+from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_engine, tiny_model
+
+MODES = ("ar", "sync", "async", "auto")
+
+
+def test_slots_and_capacity_follow_the_budget_and_the_rows():
+    assert static_shape(64 * 4096, 64, 40960) == (64, 4096)  # every row its share
+    assert static_shape(340_000, 32, 40960) == (32, 10_688)  # rounded up to 64 positions
+    assert static_shape(8192, 32, 40960) == (8, MIN_CAPACITY)  # fewer rows of a useful length
+    assert static_shape(544, 1, 8192) == (1, 576)  # one row: all of the budget
+    assert static_shape(10**9, 4, 2048) == (4, 2048)  # never past the window
+
+
+def test_keys_attended_cover_the_longest_row_in_powers_of_two():
+    assert attended(1, 4096) == 256 and attended(257, 4096) == 512
+    assert attended(3000, 4096) == 4096 and attended(3000, 2048) == 2048
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_decode_steps_over_slots_give_the_reference_logits(kind):
+    model = tiny_model(kind, seed=1)
+    got = CudaBackend(graphs=False).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
+    want = ReferenceBackend().target(model, 8 * MIN_CAPACITY)
+    assert isinstance(got, CudaTarget)
+    rows = {id(t): [t.kv.open(200) for _ in range(3)] for t in (got, want)}
+    gen = torch.Generator().manual_seed(0)
+    # prompts (eager), plain steps, verify steps of mixed widths (padded), a short last chunk
+    for widths in ((7, 3, 12), (1, 1, 1), (6, 1, 6), (1, 1, 1), (4, 6, 2)):
+        ids = [torch.randint(TINY_VOCAB, (w,), generator=gen).tolist() for w in widths]
+        keep = [None, [0], None]
+        a, b = (t.forward(rows[id(t)], ids, keep) for t in (got, want))
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        for t in (got, want):
+            for row, w in zip(rows[id(t)], widths, strict=True):
+                t.kv.commit(row, w)
+    assert got.counts == {"decode": 4, "eager": 1}
+    # a row leaves: the last row moves into its slot, and the rest still decode as before
+    for t in (got, want):
+        t.kv.close(rows[id(t)].pop(0))
+    ids = [[5], [9]]
+    a, b = (t.forward(rows[id(t)], ids) for t in (got, want))
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert got.counts["decode"] == 5
+
+
+def test_a_request_longer_than_a_slot_is_refused_naming_the_limit():
+    model = tiny_model("llama", seed=1)
+    target = CudaBackend(graphs=False).target(model, 2 * MIN_CAPACITY, rows=2)
+    assert isinstance(target.kv, StaticKV) and target.kv.capacity == 512  # the tiny window
+    with pytest.raises(SlotLimitError, match="holds at most 512 tokens on the cuda backend"):
+        target.kv.check(600)
+    assert target.kv.fits(500) and not target.kv.fits(600)
+
+
+def test_a_model_of_another_form_runs_the_reference():
+    model = tiny_model("llama", seed=1)
+    model.model.rotary_emb = None
+    assert unfit(model)
+    target = CudaBackend(graphs=False).target(model, 4096)
+    assert not isinstance(target, CudaTarget)
+
+
+def test_auto_picks_cuda_on_a_gpu_and_the_cpu_backend_here():
+    assert choose("auto", "cpu").name == "cpu"
+    assert choose("cuda", "cpu").name == "cuda" and not choose("cuda", "cpu").graphs
+    assert choose("reference", "cpu").name == "reference"
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 90 + 2 for j in range(3 + (11 * i) % 37)] for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_every_mode_through_the_cuda_step_equals_ar(kind, rows):
+    model = tiny_model(kind, seed=1)
+    drafter = D3DDrafter.from_target(model, 1, base="tiny", block_size=6)
+    engine = tiny_engine(model, drafter, backend=CudaBackend(graphs=False))
+    try:
+        sched = engine.scheduler(max_batch=8)
+        assert isinstance(sched.target, CudaTarget)
+        sched.eos_ids = set()
+        ps = prompts(rows)
+        out: list[list[int]] = [[] for _ in ps]
+        budgets = [12 + (5 * i) % 17 for i in range(rows)]
+        for i in range(rows):  # half start together, the rest join one per step
+            sched.add(GenRequest(ps[i], budgets[i], mode=MODES[i % 4], on_tokens=out[i].extend))
+            if i >= rows // 2:
+                sched.step()
+        while not sched.idle:
+            sched.step()
+        for i in range(rows):
+            want = greedy_continuation(model, ps[i], budgets[i])
+            assert out[i] == want, f"row {i} ({MODES[i % 4]})"
+        assert sched.target.counts["decode"] > sched.target.counts["eager"]
+    finally:
+        engine.close()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_captured_steps_give_the_eager_steps_logits():
+    model = tiny_model("qwen3", seed=1).cuda()
+    steps = {}
+    for graphs in (True, False):
+        t = CudaBackend(graphs=graphs).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
+        rows = [t.kv.open(200) for _ in range(3)]
+        gen = torch.Generator().manual_seed(0)
+        outs = []
+        for widths in ((7, 3, 12), (1, 1, 1), (6, 1, 6), (1, 1, 1), (6, 6, 6)):
+            ids = [torch.randint(TINY_VOCAB, (w,), generator=gen).tolist() for w in widths]
+            outs.append(torch.cat(t.forward(rows, ids)).cpu())
+            for row, w in zip(rows, widths, strict=True):
+                t.kv.commit(row, w)
+        steps[graphs] = outs
+        if graphs:
+            assert t.runner.captured == 2  # (B 4, T 1) and (B 4, T 6), n 256
+    for a, b in zip(steps[True], steps[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
