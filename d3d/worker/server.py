@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -84,7 +85,49 @@ def _block(
     )
 
 
-class DraftServer:
+class MessageServer:
+    """What a drafter worker's server does with a message (:mod:`d3d.worker.protocol`): an
+    ``Open`` starts a session, a ``Commit`` (or one step's ``Commits``) yields the replies, a
+    ``Close`` ends the session; a failure ends that session with a ``Failed`` reply, never the
+    worker. Subclasses say what each means: :class:`DraftServer`, or a drafter's own server
+    (the replay instrument's, :mod:`d3d.replay`)."""
+
+    drafter: Any  # the worker reads its device
+    pending: Callable[[], bool]  # whether the next message is waiting (set by the worker loop)
+
+    def handle(self, msg: object) -> Iterator[object]:
+        sid = getattr(msg, "sid", None)
+        try:
+            if isinstance(msg, Open):
+                self._open(msg)
+            elif isinstance(msg, Commit):
+                yield from self._commits([msg])
+            elif isinstance(msg, Commits):
+                yield from self._commits(msg.items)
+            elif isinstance(msg, Close):
+                self._close(msg.sid)
+            else:
+                raise TypeError(f"unknown message {type(msg).__name__}")
+        except Exception as exc:  # a failure ends this session, never the worker
+            yield self._failed(sid, exc)
+
+    def _failed(self, sid: int | None, exc: Exception) -> Failed:
+        log.exception("drafter worker: session %s failed", sid)
+        if sid is not None:
+            self._close(sid)
+        return Failed(sid, f"{type(exc).__name__}: {exc}")
+
+    def _open(self, msg: Open) -> None:
+        raise NotImplementedError
+
+    def _commits(self, msgs: list[Commit]) -> Iterator[object]:
+        raise NotImplementedError
+
+    def _close(self, sid: int) -> None:
+        raise NotImplementedError
+
+
+class DraftServer(MessageServer):
     """Serves every request's drafting session on one drafter (see the module docstring)."""
 
     def __init__(self, drafter: D3DDrafter, cfg: ServerConfig | None = None, clock=None):
@@ -101,31 +144,16 @@ class DraftServer:
         # flood of rows on a slow drafter) catches up instead of drafting for rounds long gone.
         self.pending: Callable[[], bool] = lambda: False
 
-    # ----- messages ---------------------------------------------------------------------
-    def handle(self, msg: object) -> Iterator[object]:
-        sid = getattr(msg, "sid", None)
-        try:
-            if isinstance(msg, Open):
-                sess = _Session(msg.sampling, msg.seed, list(msg.prompt_ids))
-                sess.prepares = msg.branches
-                self.sessions[msg.sid] = sess
-                if msg.prepare and msg.branches:
-                    self._prepare(sess, None, None)
-            elif isinstance(msg, Commit):
-                yield from self._commits([msg])
-            elif isinstance(msg, Commits):
-                yield from self._commits(msg.items)
-            elif isinstance(msg, Close):
-                self.sessions.pop(msg.sid, None)
-            else:
-                raise TypeError(f"unknown message {type(msg).__name__}")
-        except Exception as exc:  # a failure ends this session, never the worker
-            yield self._failed(sid, exc)
+    # ----- messages (MessageServer.handle routes them) ----------------------------------
+    def _open(self, msg: Open) -> None:
+        sess = _Session(msg.sampling, msg.seed, list(msg.prompt_ids))
+        sess.prepares = msg.branches
+        self.sessions[msg.sid] = sess
+        if msg.prepare and msg.branches:
+            self._prepare(sess, None, None)
 
-    def _failed(self, sid: int | None, exc: Exception) -> Failed:
-        log.exception("drafter worker: session %s failed", sid)
-        self.sessions.pop(sid, None)  # type: ignore[arg-type]
-        return Failed(sid, f"{type(exc).__name__}: {exc}")
+    def _close(self, sid: int) -> None:
+        self.sessions.pop(sid, None)
 
     def _commits(self, msgs: list[Commit]) -> Iterator[object]:
         """One step's commits: every row's block first (hits at once, then the misses drafted),
@@ -262,3 +290,11 @@ class DraftServer:
         if chain:
             sess.cached_ids = sess.committed + drafts[:m]
         self.budget.observe_cost(len(outcomes), self.clock() - t0)
+
+
+def server_for(drafter: Any, cfg: ServerConfig | None = None) -> MessageServer:
+    """What a worker runs for ``drafter``: a :class:`DraftServer`, unless the drafter brings a
+    server of its own (the replay instrument's, :mod:`d3d.replay`), which reads and answers the
+    same messages."""
+    own = getattr(drafter, "server", None)
+    return own(cfg) if callable(own) else DraftServer(drafter, cfg)

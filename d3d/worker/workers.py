@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from d3d.worker.protocol import Beat, Block, Failed, Ready, Stop
-from d3d.worker.server import DraftServer, ServerConfig
+from d3d.worker.server import MessageServer, ServerConfig, server_for
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class WorkerClient:
 
 
 def serve(
-    server: DraftServer,
+    server: MessageServer,
     get: Callable[[], object],
     put: Callable[[object], None],
     pending: Callable[[], bool] | None = None,
@@ -203,7 +203,7 @@ class ThreadWorker(WorkerClient):
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
         super().__init__(self._inbox.put, self._outbox.get)
-        self.server = DraftServer(drafter, cfg)
+        self.server = server_for(drafter, cfg)
         self._thread = threading.Thread(target=self._run, name="d3d-drafter", daemon=True)
         self._thread.start()
 
@@ -255,7 +255,7 @@ def child_main(conn: Connection, start: ChildStart) -> None:
         if start.nice:
             os.nice(start.nice)
         drafter = start.factory()
-        server = DraftServer(drafter, start.cfg)
+        server = server_for(drafter, start.cfg)
         info = {
             "kind": "process",
             "pid": os.getpid(),
