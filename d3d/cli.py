@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from d3d.config import BACKENDS, MODES, ConfigError, DecodeConfig, ModelConfig, SamplingConfig
 from d3d.model.drafter import DrafterError
 from d3d.model.load import ModelLoadError
+from d3d.replay.spec import is_replay
 
 COMMAND_GROUP = "d3d.commands"
 
@@ -45,7 +46,11 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
     g.add_argument(
         "--drafter",
         default=None,
-        help="drafter spec: default, self:N, self:i,j,k or a checkpoint dir",
+        help="drafter spec: default, self:N, self:i,j,k or a checkpoint dir; or "
+        "replay:TAU[:HIT][:SHAPE], a measurement instrument, never a drafter to serve with: "
+        "the target's own recorded greedy output corrupted to a mean acceptance TAU (branch "
+        "hit rate HIT, default 0.78; SHAPE: a drafter whose forwards run for real beside it), "
+        "docs/replay.md",
     )
     g.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:0)")
     g.add_argument(
@@ -159,9 +164,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from d3d.engine import Engine
 
     dcfg = decode_config(args)
+    mcfg = model_config(args)
+    if is_replay(mcfg.drafter) and dcfg.mode not in ("sync", "async"):
+        raise ConfigError(
+            f"mode: the replay drafter (a measurement instrument) runs with --mode sync or "
+            f"async, got {dcfg.mode}"
+        )
     t0 = time.perf_counter()
     engine = Engine.from_config(
-        model_config(args),
+        mcfg,
         with_drafter=dcfg.mode != "ar",
         start_worker=dcfg.mode in ("async", "auto"),
     )
@@ -179,7 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(engine, args: argparse.Namespace, dcfg: DecodeConfig, load_s: float) -> int:
-    if args.compare:
+    if args.compare or is_replay(engine.model_cfg.drafter):  # a replay needs ar's recording
         return _compare(engine, args.prompt, dcfg, args.json)
     if args.json:
         gen = engine.generate(args.prompt, dcfg)
@@ -235,10 +246,12 @@ def _compare(engine, prompt: str, dcfg: DecodeConfig, as_json: bool) -> int:
         ar.stats.decode_seconds / spec.stats.decode_seconds if spec.stats.decode_seconds else 0.0
     )
     identical = ar.token_ids == spec.token_ids
+    instrument = {"drafter": spec.stats.drafter} if spec.stats.drafter else {}
     if as_json:
         print(
             json.dumps(
                 {
+                    **instrument,
                     "ar": ar.to_dict(),
                     spec.stats.mode: spec.to_dict(),
                     "speedup": round(speedup, 3),
@@ -261,6 +274,14 @@ def _compare(engine, prompt: str, dcfg: DecodeConfig, as_json: bool) -> int:
             f"| {s.copy_accepted_tokens} ({s.copy_drafts}) |"
         )
     print(f"\nspeed-up {speedup:.2f}x; output identical to the target alone: {identical}")
+    s = spec.stats
+    if s.branch_hits + s.branch_misses:
+        print(f"branch hit rate {s.hit_rate:.0%} ({s.branches_per_round:.1f} branches/round)")
+    if s.drafter:
+        print(
+            f"drafter: {s.drafter}: the target's own recorded output, corrupted to a "
+            "set acceptance; it measures the engine, not a drafter"
+        )
     return 0
 
 
@@ -273,7 +294,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="also run the target alone and print both, with the speed-up",
+        help="also run the target alone and print both, with the speed-up (always, with a "
+        "replay drafter: its ar run is the recording)",
     )
     p.set_defaults(func=cmd_generate)
 

@@ -45,6 +45,7 @@ class DecodeStats:
     """Per-request statistics, filled in as the decode loop runs."""
 
     mode: str
+    drafter: str = ""  # named only for an instrument (the replay drafter, d3d.replay)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_tokens: int = 0
@@ -136,8 +137,10 @@ class DecodeStats:
         return self.branches_prepared / self.branch_rounds if self.branch_rounds else 0.0
 
     def to_dict(self) -> dict:
+        named = {"drafter": self.drafter} if self.drafter else {}
         return {
             "mode": self.mode,
+            **named,
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "num_tokens": self.num_tokens,

@@ -40,6 +40,7 @@ from d3d.engine.stream import stream
 from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
+from d3d.replay import ReplayDrafter
 from d3d.worker.modes import ModeKit
 from d3d.worker.proposer import BatchedLink
 from d3d.worker.supervisor import Supervisor
@@ -220,13 +221,16 @@ class Engine:
     def _link(self) -> BatchedLink | None:
         """The drafter worker behind a link that sends a step's commits together (None when the
         drafter is not a :class:`D3DDrafter`, e.g. a test double: it drafts synchronously)."""
-        if not isinstance(self.drafter, D3DDrafter):
+        if not isinstance(self.drafter, D3DDrafter | ReplayDrafter):
             return None
         worker = self.worker()
         if worker is None:
             return None
         if self._batched is None or self._batched.link is not worker:
-            self._batched = BatchedLink(worker)
+            if isinstance(self.drafter, ReplayDrafter):  # recordings travel with requests
+                self._batched = self.drafter.link(worker)
+            else:
+                self._batched = BatchedLink(worker)
         return self._batched
 
     def _copies(self) -> CopyDrafts:
@@ -275,7 +279,10 @@ class Engine:
             # random draws a request makes depends on its rounds, and auto's rounds follow
             # costs that change between requests: a seeded sampled request decodes plainly.
             return ArProposer()
-        return self.proposer(req.mode, req.max_new_tokens, req.copy)
+        proposer = self.proposer(req.mode, req.max_new_tokens, req.copy)
+        if isinstance(self.drafter, ReplayDrafter):  # the instrument: records ar, checks the rest
+            return self.drafter.for_request(req, proposer)
+        return proposer
 
     def _after_step(self, rows: Sequence[Row]) -> None:
         """A step's commits are observed: give the target the cores its next step should have

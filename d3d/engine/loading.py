@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,10 @@ from d3d.engine.placement import Placement, PlacementError, parse_cores, resolve
 from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.load import LoadedModel, ModelLoadError, load_target_part
 from d3d.model.specs import borrowed_layers, resolve_spec, self_layers
+from d3d.replay.spec import is_replay, parse_replay
+
+if TYPE_CHECKING:
+    from d3d.replay import ReplayDrafter
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +45,15 @@ def check_device(device: str) -> None:
 
 def build_drafter(
     spec: str, target: LoadedModel, device: str | None = None, share_layers: bool = False
-) -> D3DDrafter:
-    """Resolve a drafter spec against a loaded target (see :mod:`d3d.model.specs`).
+) -> D3DDrafter | ReplayDrafter:
+    """Resolve a drafter spec against a loaded target (see :mod:`d3d.model.specs`; a
+    ``replay:`` spec is the replay instrument, :mod:`d3d.replay`).
     ``share_layers``: a ``self:`` drafter runs on the target's own layer tensors (inference:
     no second copy) instead of copies that training may update."""
+    if is_replay(spec):  # the measurement instrument (d3d.replay), never a default
+        from d3d.replay import build_replay
+
+        return build_replay(spec, target, device, share_layers)
     depth = int(target.model.config.num_hidden_layers)
     resolved = resolve_spec(spec, target.spec, depth)
     if resolved != spec and resolved.startswith("self:"):
@@ -67,7 +77,7 @@ class DrafterFactory:
     cfg: ModelConfig
     device: str = "cpu"
 
-    def __call__(self) -> D3DDrafter:
+    def __call__(self) -> D3DDrafter | ReplayDrafter:
         # Only what the drafter reads, in the configured dtype: its layers (if the target's),
         # the embeddings, LM head and final norm; the target's other layers are never read.
         target = load_target_part(
@@ -93,4 +103,7 @@ def placement_for(cfg: ModelConfig) -> Placement:
     """Where this config's drafter worker goes on this host (see :mod:`d3d.engine.placement`)."""
     from d3d.worker.workers import available_cores
 
-    return resolve_placement(cfg.target_device, cfg.drafter_device, available_cores())
+    device = cfg.drafter_device
+    if device is None and is_replay(cfg.drafter) and parse_replay(cfg.drafter).shape is None:
+        device = cfg.target_device  # a replay that computes nothing: a thread beside the target
+    return resolve_placement(cfg.target_device, device, available_cores())

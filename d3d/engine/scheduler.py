@@ -230,7 +230,9 @@ class Scheduler:
             if not self.kv.fits(self.need(req)):
                 break  # waits until running rows give their reservations back
             self.waiting.popleft()
-            stats = req.stats if req.stats is not None else DecodeStats(mode=req.mode)
+            if req.stats is None:  # kept on the request: its proposer may name itself there
+                req.stats = DecodeStats(mode=req.mode)
+            stats = req.stats
             stats.prompt_tokens = len(req.prompt_ids)
             try:
                 proposer = self.proposers(req)

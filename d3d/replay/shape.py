@@ -1,0 +1,129 @@
+"""The replay's optional drafter shape: real drafter forwards whose outputs are thrown away.
+
+A replay alone costs nothing to draft, which measures the engine with a free drafter. Naming a
+shape (``replay:7.88:0.78:self:4``, ``replay:7.88:shape=qwen3-8b@31``) makes every block and
+branch the replay proposes also run as a forward of that drafter, on the request's real
+committed tokens, so drafting takes what it would take with a trained drafter of that size.
+
+- :func:`build_shape` builds it: a drafter spec through :func:`d3d.engine.build_drafter`, or
+  ``shape=CONFIG[@LAYERS]``, random weights of a model config (a shipped name under
+  ``d3d/configs``, or a ``config.json``) cut to LAYERS layers, made on the drafter's device in
+  the target's dtype. Its vocabulary need not be the target's: ids are folded into it.
+- ``sync`` runs the shape in a :class:`~d3d.model.session.DraftSession` (its cache of committed
+  tokens, one block forward a round).
+- :class:`ShapeForwards` runs ``async``'s forwards in the worker as the D3D worker runs them
+  (:mod:`d3d.worker.drafting`): a missed block (every miss of a step in one forward where the
+  drafter allows), and per round the draft chain plus one block per branch in one forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from d3d.model.drafter import D3DDrafter, DrafterError
+from d3d.model.load import LoadedModel
+from d3d.model.session import rewind
+from d3d.worker.drafting import can_batch, draft_blocks, draft_branches
+
+SHAPE_PREFIX = "shape="
+
+
+def shape_vocab(drafter: D3DDrafter) -> int:
+    return int(drafter.lm.get_input_embeddings().num_embeddings)
+
+
+def fold(ids: Sequence[int], vocab: int) -> list[int]:
+    """Target ids as ids of a shape's vocabulary (the same ids where it is as large)."""
+    return [int(t) % vocab for t in ids]
+
+
+def build_shape(
+    shape: str, target: LoadedModel, device: str | torch.device, share_layers: bool = True
+) -> D3DDrafter:
+    """The drafter a replay's ``SHAPE`` names (see the module docstring)."""
+    if not shape.startswith(SHAPE_PREFIX):
+        from d3d.engine.loading import build_drafter
+
+        return build_drafter(shape, target, str(device), share_layers=share_layers)
+    return random_shape(shape[len(SHAPE_PREFIX) :], device, target.model.dtype)
+
+
+def random_shape(text: str, device: str | torch.device, dtype: torch.dtype) -> D3DDrafter:
+    """``CONFIG[@LAYERS]``: a random-weight drafter of that config's first LAYERS layers."""
+    from d3d.tools.plan import PlanError, load_config
+
+    name, _, layers = text.partition("@")
+    try:
+        _, cfg = load_config(name)
+        depth = int(layers) if layers else int(cfg.num_hidden_layers)
+    except (PlanError, ValueError) as exc:
+        raise DrafterError(f"replay shape {text!r}: {exc}") from None
+    if not 1 <= depth <= int(cfg.num_hidden_layers):
+        raise DrafterError(
+            f"replay shape {text!r}: layers must be in 1..{cfg.num_hidden_layers}, got {depth}"
+        )
+    cfg.num_hidden_layers = depth
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types)[:depth]
+    with torch.device(device):
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    lm.eval().requires_grad_(False)
+    return D3DDrafter.from_target(lm, depth, base=f"{SHAPE_PREFIX}{text}", share=True)
+
+
+class ShapeForwards:
+    """``async``'s drafter forwards of a shape, per row, for their time only.
+
+    Per row a cache of its committed tokens (folded into the shape's vocabulary) but the last,
+    cut back and extended as the D3D worker's session caches are; after branches it also holds
+    the draft chain they needed, which the next commit cuts back to what was accepted.
+    """
+
+    def __init__(self, drafter: D3DDrafter):
+        self.drafter = drafter
+        self.vocab = shape_vocab(drafter)
+        self.caches: dict[int, tuple[DynamicCache, list[int]]] = {}
+
+    def drop(self, sid: int) -> None:
+        self.caches.pop(sid, None)
+
+    def _read(self, sid: int, committed: Sequence[int]) -> tuple[DynamicCache, list[int], int]:
+        """The row's cache cut back to the committed tokens but the last; the ones it still
+        lacks; the anchor."""
+        ids = fold(committed, self.vocab)
+        cache, cached = self.caches.get(sid, (DynamicCache(), []))
+        cache, cached, pending = rewind(cache, cached, ids[:-1])
+        self.caches[sid] = (cache, ids[:-1])  # what it holds once the forward read `pending`
+        return cache, pending, ids[-1]
+
+    @torch.inference_mode()
+    def blocks(self, rows: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """A block forward for each (row id, committed tokens): the misses of a step."""
+        d = self.drafter
+        items = [self._read(sid, committed) for sid, committed in rows]
+        if len(items) > 1 and can_batch(d):
+            draft_blocks(d, items)
+        else:
+            for cache, pending, anchor in items:
+                d.block_scores(anchor, cache, pending)
+
+    @torch.inference_mode()
+    def branches(
+        self,
+        sid: int,
+        committed: Sequence[int],
+        drafts: Sequence[int],
+        outcomes: Sequence[tuple[int, int]],
+    ) -> None:
+        """One forward: the chain ``[pending, anchor, d_1..d_m]`` the ``outcomes`` (k, r)
+        need (m = their largest k) and a block per outcome, seeing the chain up to d_k."""
+        cache, pending, anchor = self._read(sid, committed)
+        m = max(k for k, _ in outcomes)
+        chain = [*pending, anchor, *fold(drafts[:m], self.vocab)]
+        visible = [len(committed) + k for k, _ in outcomes]
+        anchors = fold([max(r, 0) for _, r in outcomes], self.vocab)
+        draft_branches(self.drafter, cache, visible, anchors, chain)
+        self.caches[sid] = (cache, [*fold(committed, self.vocab), *chain[len(pending) + 1 :]])
