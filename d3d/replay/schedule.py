@@ -118,8 +118,9 @@ class Replay:
         """The block after ``n`` committed tokens, its k drawn (not yet settled)."""
         future = self.truth[n : n + self.max_drafts]
         if self._off or not future:
-            if not self._off:
-                self._warn("the recording ends here: plain target steps from now on")
+            if not self._off and not self._warned:  # the usual end of a request: no warning
+                self._warned = True
+                log.info("replay (a measurement instrument): the recording ends here")
             return EMPTY
         k = self.accepts.draw(len(future))
         return Planned(corrupt(future, k, self.vocab_size), k)

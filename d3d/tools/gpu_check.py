@@ -1,32 +1,35 @@
-"""GPU readiness check: the forwards that decide whether asynchronous drafting pays, and the
-engine serving concurrent requests, timed on a GPU.
+"""GPU check: what the paper and the field measure, on one GPU, in one run, one JSON.
 
 ``scripts/gpu_check.sh`` (``python -m d3d.tools.gpu_check --out gpu_check.json``) builds a
 random-weight target shaped by ``d3d/configs/qwen3-8b.json`` in bf16 directly on the GPU (no
-download, no tokenizer: token ids suffice), then runs three stages, each writing the JSON as it ends
-(so a run cut short keeps what it finished):
+download, no tokenizer: token ids suffice) and runs these stages, each writing the JSON as it
+ends (a run cut short keeps what it finished):
 
-1. **check** — after a cached context: a target decode step (1 token) and a 16-token verify
-   forward; drafters made of the target's first 5 and 31 layers: a block forward and the
-   branch-drafting forward with 1..8 branches (the chain of the draft being verified plus one
-   block per branch, one 4D mask: :mod:`d3d.worker.drafting`); the overlap of drafter and target
-   on one GPU: the verify forward and an 8-branch forward one after the other, then at the same
-   time on two CUDA streams from two threads; overlap factor = sequential / concurrent time
-   (2.0 = fully hidden, 1.0 = none); memory (CUDA's allocator; None on a CPU) beside what
-   :mod:`d3d.model.memory` counts, as ``d3d plan`` does. Medians over repeats.
-2. **service** — the library's engine over the same target with a ``self:5`` drafter, 16
-   concurrent requests per mode (``ar``, ``sync``, ``async``) through ``Scheduler.step()``:
-   throughput, steps, verify times, acceptance, and the peak memory per device beside
-   ``d3d plan``'s prediction (:mod:`d3d.tools.gpu_service`).
-3. **vllm** — the same target served by vLLM alone and by vLLM with the D3D proposer (its drafter
-   on the second GPU when there is one), 16 concurrent greedy requests per mode: throughput,
-   identity with vLLM alone, acceptance, branch hits, memory (:mod:`d3d.tools.gpu_vllm`; skipped
-   where vLLM is not installed).
+1. **bandwidth** — the device's copy rate, the yardstick of every floor.
+2. **decode** — the target's step through the backend the engine runs it with (on a GPU the
+   cuda backend: fixed-slot KV, decode steps replayed from CUDA graphs) at 1 / 16 / 64 rows
+   after a cached context: a plain step and a 16-token verify step, each against its
+   bandwidth floor; 16 rows against one; the verify against a plain step.
+3. **drafters** — the drafter's block and a packed round of 8 branches, for the D3D-1.7B shape
+   (Qwen3-1.7B's dimensions, ``d3d/configs/qwen3-1.7b.json``) and for the target's first 31
+   layers (the paper's pruned 8B drafter), against the target's verify.
+4. **exactness** — greedy decoding through captured steps against the same steps eager, in
+   float32, token for token (a few layers of the target's shape).
+5. **replay** — the engine serving requests in ``ar``, ``sync`` and ``async`` with the replay
+   drafter at the paper's acceptance (``replay:7.88``: a measurement instrument, the target's
+   own recorded tokens corrupted to that mean acceptance, :mod:`d3d.replay`), at 1 and 16
+   rows on this one GPU (:mod:`d3d.tools.gpu_service`); and the two-GPU figure projected from
+   the measured primitives: with the drafter on its own GPU a round is hidden when it fits
+   inside a verify, so a round costs max(verify, packed round) plus the drafter's block on a
+   branch miss (:func:`projection`), beside the paper's 5.00x.
+6. **memory** — the peak allocation against ``d3d plan``'s count.
+7. **vllm** — vLLM alone and with the D3D proposer on the same target, where vLLM is installed
+   (:mod:`d3d.tools.gpu_vllm`; skipped otherwise, as on the lent check machines).
 
-Every stage has a time limit inside ``--budget-s`` (the script's 8 minutes, less a margin).
-``--tiny`` runs the same code on a small Qwen3-shaped model (on CPU if there is no GPU), which is
-how the tests keep this script working; the full shape refuses to run without CUDA. How to read
-the JSON: ``docs/results.md`` (GPU check).
+Every stage has a time limit inside ``--budget-s``. ``--tiny`` runs the same code on a small
+Qwen3-shaped model on the CPU (the cuda backend's step code runs eagerly there), which is how
+CI keeps this script working; the full shape refuses to run without CUDA. The figures and how to
+read them: ``docs/results.md`` (GPU check).
 """
 
 from __future__ import annotations
@@ -35,27 +38,23 @@ import argparse
 import gc
 import json
 import logging
-import statistics
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from d3d.backends.hf import trim_cache, with_cache
-from d3d.backends.sizes import kv_bytes_per_token
 from d3d.model.drafter import D3DDrafter
-from d3d.model.memory import param_bytes
-from d3d.tools.gpu_service import ServiceSettings, run_service, service_errors, service_table
+from d3d.tools import gpu_stages as st
+from d3d.tools.gpu_service import ServiceSettings, run_service, service_errors
 from d3d.tools.gpu_vllm import run_vllm, vllm_errors
 from d3d.tools.plan import CONFIGS
-from d3d.worker.drafting import draft_branches
 
 log = logging.getLogger(__name__)
 
-SHAPE = "qwen3-8b"  # d3d/configs/qwen3-8b.json
+SHAPE, DRAFTER_SHAPE = "qwen3-8b", "qwen3-1.7b"  # d3d/configs/
+PAPER = {"acceptance": 7.88, "hit_rate": 0.78, "speedup_two_gpus": 5.00}
 TINY = dict(  # the same architecture, small enough for a CPU test
     vocab_size=512,
     hidden_size=64,
@@ -68,180 +67,41 @@ TINY = dict(  # the same architecture, small enough for a CPU test
     max_position_embeddings=4096,
     bos_token_id=0,
 )
+TINY_DRAFTER = dict(TINY, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
 SHAPE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-)
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+)  # fmt: skip
 
 
 class CheckError(RuntimeError):
     """The check cannot run here; the message says why in one line."""
 
 
-def target_config(tiny: bool) -> tuple[str, dict]:
-    """The shipped Qwen3-8B config as a dict (``tiny``: with small dimensions), with EOS off so
-    every request of the service run goes to its budget; and its name for the JSON."""
-    d = json.loads((CONFIGS / f"{SHAPE}.json").read_text())
+def shape_config(shape: str, tiny: dict | None) -> dict:
+    """A shipped config as a dict (``tiny``: with these small dimensions instead), EOS off so
+    every request of a serving stage runs to its budget."""
+    d = json.loads((CONFIGS / f"{shape}.json").read_text())
     if tiny:
-        d.update(TINY)
+        d.update(tiny)
     d.pop("layer_types", None)  # rebuilt from num_hidden_layers
     d["eos_token_id"] = None
-    return (f"{SHAPE}-tiny" if tiny else SHAPE), d
+    return d
 
 
-def build_target(config: dict, device: torch.device, dtype: torch.dtype):
-    """Random weights, made directly on ``device`` in ``dtype``."""
-    d = dict(config)
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval().requires_grad_(False)
-
-
-def _allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
-
-def _delta(after: int | None, before: int | None) -> int | None:
-    return None if after is None or before is None else after - before
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 3)
-
-
-@torch.inference_mode()
-def run_check(
-    target,
-    weight_bytes: int | None,
-    context: int,
-    repeats: int,
-    drafter_layers: list[int],
-    time_left,
-) -> dict:
-    """Stage 1 (module docstring). ``weight_bytes``: what building the target allocated;
-    ``time_left()``: seconds left (drafters that do not fit are skipped)."""
-    cfg = target.config
-    device, dtype = target.device, target.dtype
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-    a1 = _allocated(device)
-    cache = DynamicCache()
-    target(input_ids=ids, **with_cache(target, cache))
-    memory = {
-        "target_weight_bytes": {"allocated": weight_bytes, "counted": param_bytes(target)},
-        "kv_bytes": {
-            "allocated": _delta(_allocated(device), a1),
-            "counted": kv_bytes_per_token(cfg, dtype) * context,
-        },
-    }
-
-    def target_forward(n: int) -> None:
-        x = ids[:, :n]
-        pos = torch.arange(context, context + n, device=device).unsqueeze(0)
-        target(input_ids=x, position_ids=pos, **with_cache(target, cache))
-        trim_cache(cache, n)
-
-    out: dict = {
-        "target_step_ms": _median_ms(lambda: target_forward(1), device, repeats),
-        "target_verify16_ms": _median_ms(lambda: target_forward(16), device, repeats),
-        "memory": memory,
-        "drafters": {},
-    }
-    for n_layers in drafter_layers:
-        n_layers = min(n_layers, cfg.num_hidden_layers)
-        if time_left() < 30:
-            out["drafters"][n_layers] = {"skipped": "out of time"}
-            continue
-        out["drafters"][n_layers] = _drafter_row(
-            target, n_layers, ids, device, repeats, lambda: target_forward(16)
-        )
-    return out
-
-
-def _drafter_row(target, n_layers: int, ids: torch.Tensor, device, repeats: int, verify) -> dict:
-    before = _allocated(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    drafter = D3DDrafter.from_target(target, n_layers, device=device, share=True)
-    memory = {
-        "drafter_bytes": _delta(_allocated(device), before),
-        "build_peak_extra_bytes": _delta(
-            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, before
-        ),
-    }
-    d_cache = DynamicCache()
-    drafter.encode(ids[0].tolist(), d_cache)
-    anchor = int(ids[0, -1])
-    chain = ids[0, :16].tolist()
-
-    def branches(n: int) -> None:
-        s = d_cache.get_seq_length()
-        draft_branches(drafter, d_cache, [s + k for k in range(n)], chain[:n], chain=chain)
-        trim_cache(d_cache, len(chain))
-
+def projection(step_ms: float, verify_ms: float, round_ms: float, block_ms: float,
+               acceptance: float, hit: float) -> dict:  # fmt: skip
+    """The two-GPU speed-up over ``ar`` from measured primitives: a round emits ``acceptance``
+    tokens and costs max(verify, packed round) (the drafter on its own GPU prepares the next
+    round's branches while the target verifies) plus, on a branch miss (1 - ``hit``), the
+    drafter's block drafted while the target waits; ``ar`` emits one token a plain step."""
+    cost = max(verify_ms, round_ms) + (1 - hit) * block_ms
     return {
-        "block_ms": _median_ms(lambda: drafter.block_scores(anchor, d_cache), device, repeats),
-        "branches_ms": {
-            n: _median_ms(lambda n=n: branches(n), device, repeats) for n in range(1, 9)
-        },
-        "overlap": _overlap(verify, lambda: branches(8), device, repeats),
-        "memory": memory,
+        "round_ms": round(cost, 4),
+        "hidden": round_ms <= verify_ms,
+        "speedup_vs_ar": round(acceptance * step_ms / cost, 3),
+        "paper_speedup": PAPER["speedup_two_gpus"],
     }
-
-
-def _overlap(verify, branch, device: torch.device, repeats: int) -> dict:
-    """Sequential vs concurrent (two streams, two threads) time of verify and branch forwards."""
-    streams = (
-        (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        if device.type == "cuda"
-        else (None, None)
-    )
-
-    def on(stream, fn):
-        def run():
-            with torch.inference_mode():
-                if stream is None:
-                    fn()
-                else:
-                    with torch.cuda.stream(stream):
-                        fn()
-
-        return run
-
-    def concurrent() -> None:
-        threads = [
-            threading.Thread(target=on(s, f))
-            for s, f in zip(streams, (verify, branch), strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    seq = _median_ms(lambda: (verify(), branch()), device, repeats)
-    par = _median_ms(concurrent, device, repeats)
-    return {"sequential_ms": seq, "concurrent_ms": par, "overlap_factor": round(seq / par, 3)}
 
 
 def _device(tiny: bool, asked: str | None) -> torch.device:
@@ -250,31 +110,13 @@ def _device(tiny: bool, asked: str | None) -> torch.device:
         if not torch.cuda.is_available():
             raise CheckError(f"device {asked!r} asked for, but torch sees no CUDA device")
         dev = torch.device(asked or "cuda")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise CheckError(f"device {asked!r}: only {torch.cuda.device_count()} GPU(s)")
-        return torch.device("cuda", index)
+        return torch.device("cuda", dev.index if dev.index is not None else 0)
     if not tiny:
         raise CheckError(
             "no CUDA device: the Qwen3-8B shape runs on a GPU only (torch.cuda.is_available() "
             "is False; is a CUDA build of torch installed?). --tiny runs the small model on CPU"
         )
     return torch.device("cpu")
-
-
-def _table(res: dict) -> str:
-    """A short summary of the JSON for the terminal."""
-    lines = [
-        f"{res.get('device')} {res.get('dtype')}: target step {res.get('target_step_ms')} ms, "
-        f"verify16 {res.get('target_verify16_ms')} ms"
-    ]
-    for n, row in res.get("drafters", {}).items():
-        ov = row.get("overlap", {}).get("overlap_factor")
-        lines.append(f"drafter {n} layers: block {row.get('block_ms')} ms, overlap {ov}")
-    lines += service_table(res.get("service") or {})
-    if res.get("errors"):
-        lines.append("errors: " + "; ".join(res["errors"]))
-    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -284,28 +126,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU works), for tests")
     p.add_argument("--device", default=None, help="cuda, cuda:N (default), or cpu with --tiny")
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float32"),
-        default=None,
-        help="the target's dtype (default bf16 on CUDA, fp32 on CPU; float32: greedy exactness "
-        "across batch shapes, which bf16 rounding does not promise)",
-    )
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--context", type=int, default=1024, help="cached tokens before each step")
+    p.add_argument("--rows", default="1,16,64", help="decode stage: rows per step")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--drafter-layers", default="5,31")
-    p.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time limit")
-    g = p.add_argument_group("service run (d3d.tools.gpu_service)")
-    g.add_argument("--service", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--requests", type=int, default=16, help="concurrent requests")
+    p.add_argument("--drafter-layers", type=int, default=31, help="the 8B drafter's depth")
+    p.add_argument("--exact-layers", type=int, default=2, help="exactness stage: fp32 layers")
+    p.add_argument("--budget-s", type=float, default=450.0, help="the whole run's time limit")
+    g = p.add_argument_group("replay stage (d3d.tools.gpu_service)")
+    g.add_argument("--replay", default=f"replay:{PAPER['acceptance']}:{PAPER['hit_rate']}")
+    g.add_argument("--replay-rows", default="1,16")
     g.add_argument("--prompt-tokens", type=int, default=512)
     g.add_argument("--new-tokens", type=int, default=128)
     g.add_argument("--modes", default="ar,sync,async")
-    g.add_argument("--drafter", default="self:5", help="the engine's drafter spec")
-    g.add_argument("--drafter-device", default=None, help="default: the target's device")
-    g.add_argument("--stage-seconds", type=float, default=90.0, help="each mode's time limit")
-    v = p.add_argument_group("vLLM run (d3d.tools.gpu_vllm)")
-    v.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--stage-seconds", type=float, default=60.0, help="each mode's time limit")
+    p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True)
     return p
 
 
@@ -320,12 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.budget_s - (time.perf_counter() - t_start)
 
     try:
-        layers = [int(x) for x in args.drafter_layers.split(",") if x.strip()]
+        rows = [int(x) for x in args.rows.split(",") if x.strip()]
+        replay_rows = [int(x) for x in args.replay_rows.split(",") if x.strip()]
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-        service = ServiceSettings(
-            args.requests, args.prompt_tokens, args.new_tokens, modes, args.drafter,
-            args.drafter_device, args.stage_seconds,
-        )  # fmt: skip
+        services = [
+            ServiceSettings(
+                n, args.prompt_tokens, args.new_tokens, modes, args.replay, None, args.stage_seconds
+            )
+            for n in replay_rows
+        ]
     except ValueError as exc:  # a ServiceError names the flag's field
         p.error(str(exc))
     try:
@@ -333,76 +170,194 @@ def main(argv: list[str] | None = None) -> int:
     except CheckError as exc:
         print(f"gpu_check: error: {exc}", file=sys.stderr)
         return 2
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
-    name, config = target_config(args.tiny)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = shape_config(SHAPE, TINY if args.tiny else None)
+    name = f"{SHAPE}-tiny" if args.tiny else SHAPE
     res: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch_device": str(device),
-        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
         "target": name,
-        "target_shape": {k: config[k] for k in SHAPE_KEYS},
+        "target_shape": {k: config.get(k) for k in SHAPE_KEYS},
         "context": args.context,
         "repeats": args.repeats,
         "budget_s": args.budget_s,
+        "paper": PAPER,
         "errors": [],
         "stages": {},
     }
     out = Path(args.out)
 
-    def stage(what: str, fn) -> None:
+    def stage(what: str, fn: Callable[[], dict]) -> None:
         """Run one stage; its figures go into ``res`` and the JSON is written as it ends."""
         t0 = time.perf_counter()
-        try:
-            res.update(fn())
-        except Exception as exc:  # recorded; the JSON still holds every other stage
-            log.exception("gpu check stage %s failed", what)
-            res["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
+        if time_left() < 10:
+            res[what] = {"skipped": "out of time"}
+        else:
+            try:
+                res[what] = fn()
+            except Exception as exc:  # recorded; the JSON still holds every other stage
+                log.exception("gpu check stage %s failed", what)
+                res["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
         res["stages"][what] = round(time.perf_counter() - t0, 2)
         res["elapsed_s"] = round(time.perf_counter() - t_start, 2)
         out.write_text(json.dumps(res, indent=2))
 
-    target = None
-    a0 = _allocated(device)
+    big = device.type == "cuda" and not args.tiny
+    target = st.build_model(config, device, dtype)
+    res["build_s"] = round(time.perf_counter() - t_start, 2)
+    bandwidth = {}
 
-    def build() -> dict:
-        nonlocal target
-        target = build_target(config, device, dtype)
-        return {"build_s": round(time.perf_counter() - t_start, 2)}
+    def bw() -> dict:
+        bandwidth.update(st.copy_bandwidth(device, (1 << 30) if big else (1 << 24), args.repeats))
+        return bandwidth
 
-    def check() -> dict:
-        weights = _delta(_allocated(device), a0)
-        return run_check(target, weights, args.context, args.repeats, layers, time_left)
-
-    def serve() -> dict:
-        svc = run_service(target, name, config, service, time_left)
-        res["errors"] += [f"service {e}" for e in service_errors(svc)]
-        return {"service": svc}
-
-    stage("build", build)
-    if target is not None:
-        stage("check", check)
-        gc.collect()  # the check's caches and drafters go before the service's peak is taken
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if args.service:
-            stage("service", serve)
-
-        def vllm() -> dict:
-            got = run_vllm(
-                target, args.requests, args.prompt_tokens, args.new_tokens, args.drafter, time_left
-            )  # fmt: skip
-            res["errors"] += [f"vllm {e}" for e in vllm_errors(got)]
-            return {"vllm": got}
-
-        if args.vllm and time_left() > 60:
-            stage("vllm", vllm)
-    print(_table(res))
+    stage("bandwidth", bw)
+    rate = bandwidth.get("bytes_per_s") or 1.0
+    graphs = device.type == "cuda"
+    stage("decode", lambda: st.decode_steps(target, rows, args.context, args.repeats, rate, graphs))
+    stage("drafters", lambda: _drafters(target, args, device, dtype, res))
+    stage("exactness", lambda: _exactness(config, device, args))
+    for s in services:
+        stage(f"replay_{s.requests}", lambda s=s: _replay(target, name, config, s, time_left, res))
+    stage("projection", lambda: _projection(res))
+    kv = args.context + 2 * st.BLOCK
+    stage("memory", lambda: st.memory_against_plan(config, device, dtype, max(rows), kv))
+    target = None  # the vLLM stage builds its own copy
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.vllm:
+        stage("vllm", lambda: _vllm(config, device, dtype, args, time_left, res))
+    print(table(res))
     print(f"wrote {out}", file=sys.stderr)
     return 1 if res["errors"] else 0
+
+
+def _drafters(target, args, device: torch.device, dtype: torch.dtype, res: dict) -> dict:
+    verify = ((res.get("decode") or {}).get("rows") or {}).get("1", {}).get("verify16_ms")
+    shape = shape_config(DRAFTER_SHAPE, TINY_DRAFTER if args.tiny else None)
+    shape["vocab_size"] = target.config.vocab_size
+    out = {}
+    small = st.d3d_1_7b_drafter(shape, device, dtype)
+    out["d3d_1_7b"] = st.drafter_rounds(small, args.context, args.repeats)
+    del small
+    depth = min(args.drafter_layers, target.config.num_hidden_layers)
+    deep = D3DDrafter.from_target(target, depth, device=device, share=True)
+    out[f"self_{depth}"] = st.drafter_rounds(deep, args.context, args.repeats)
+    del deep
+    for row in out.values():
+        if verify:
+            row["packed_8_over_verify16"] = round(row["packed_8_branches_ms"] / verify, 3)
+            row["block_over_verify16"] = round(row["block_ms"] / verify, 3)
+    return out
+
+
+def _exactness(config: dict, device: torch.device, args) -> dict:
+    model = st.build_model(config, device, torch.float32, layers=args.exact_layers)
+    try:
+        return st.captured_equals_eager(model, rows=16, prompt=24, steps=16)
+    finally:
+        del model
+
+
+def _replay(target, name: str, config: dict, s: ServiceSettings, time_left, res: dict) -> dict:
+    got = run_service(target, name, config, s, time_left)
+    res["errors"] += [f"replay {s.requests} rows {e}" for e in service_errors(got)]
+    return got
+
+
+def _projection(res: dict) -> dict:
+    """:func:`projection` from the decode and drafter stages, for each drafter shape."""
+    one = ((res.get("decode") or {}).get("rows") or {}).get("1")
+    if not one:
+        return {"skipped": "no decode figures"}
+    out = {}
+    for name, row in (res.get("drafters") or {}).items():
+        if not isinstance(row, dict):
+            continue
+        out[name] = projection(
+            one["step_ms"], one["verify16_ms"], row["packed_8_branches_ms"], row["block_ms"],
+            PAPER["acceptance"], PAPER["hit_rate"],
+        )  # fmt: skip
+    return out
+
+
+def _vllm(config, device, dtype, args, time_left, res: dict) -> dict:
+    target = st.build_model(config, device, dtype)
+    try:
+        got = run_vllm(target, 16, args.prompt_tokens, args.new_tokens, "self:2", time_left)
+    finally:
+        del target
+    res["errors"] += [f"vllm {e}" for e in vllm_errors(got)]
+    return got
+
+
+def table(res: dict) -> str:
+    """The JSON's headline figures as a Markdown table (the one docs/results.md keeps)."""
+    lines = [
+        f"{res.get('device')} {res.get('dtype')}, target {res.get('target')}, context "
+        f"{res.get('context')}; copy bandwidth "
+        f"{(res.get('bandwidth') or {}).get('bytes_per_s', 0) / 1e12:.2f} TB/s",
+        "",
+        "| what | measured | against | goal |",
+        "|---|---:|---:|---|",
+    ]
+    dec = (res.get("decode") or {}).get("rows") or {}
+    for r, row in dec.items():
+        lines.append(
+            f"| decode step, {r} row(s) | {row['step_ms']} ms | floor {row['step_floor_ms']} ms: "
+            f"{row['step_over_floor']}x | {'<= 1.25x floor' if r == '1' else ''} |"
+        )
+        if r != "1" and "step_over_one_row" in row:
+            goal = "<= 1.3x" if r == "16" else ""
+            lines.append(f"| {r} rows / 1 row | {row['step_over_one_row']}x | | {goal} |")
+    if "1" in dec:
+        lines.append(
+            f"| 16-token verify / decode step | {dec['1']['verify16_over_step']}x | | <= 1.2x |"
+        )
+    for name, row in (res.get("drafters") or {}).items():
+        if not isinstance(row, dict):  # {"skipped": ...}
+            continue
+        lines.append(
+            f"| drafter {name}: block / packed 8 branches | {row['block_ms']} / "
+            f"{row['packed_8_branches_ms']} ms | verify x{row.get('packed_8_over_verify16')} | "
+            f"{'within one verify' if name == 'd3d_1_7b' else ''} |"
+        )
+    ex = res.get("exactness") or {}
+    if "rows_equal" in ex:
+        lines.append(
+            f"| captured = eager, fp32 | {ex['rows_equal']} of {ex['rows']} rows | {ex['against']} "
+            f"| 16 of 16 |"
+        )
+    for key in sorted(k for k in res if k.startswith("replay_")):
+        modes = (res[key] or {}).get("modes") or {}
+        n = key.split("_")[1]
+        for mode in ("sync", "async"):
+            r = modes.get(mode) or {}
+            if r.get("speedup_vs_ar") is not None:
+                goal = ">= 4x" if mode == "sync" and n == "1" else ""
+                lines.append(
+                    f"| replay (instrument) {mode}, {n} row(s) | {r['speedup_vs_ar']}x ar | "
+                    f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')} | "
+                    f"{goal} |"
+                )
+    for name, pr in (res.get("projection") or {}).items():
+        if isinstance(pr, dict) and "speedup_vs_ar" in pr:
+            lines.append(
+                f"| two GPUs projected, {name} | {pr['speedup_vs_ar']}x ar | paper "
+                f"{pr['paper_speedup']}x | >= 6x |"
+            )
+    mem = res.get("memory") or {}
+    if mem.get("plan_target_bytes"):
+        got = mem.get("measured_peak_bytes")
+        shown = f"{got / 2**30:.2f} GiB" if got else "not measured (no CUDA)"
+        lines.append(
+            f"| peak memory | {shown} | d3d plan {mem['plan_target_bytes'] / 2**30:.2f} GiB | |"
+        )
+    if res.get("errors"):
+        lines.append("\nerrors: " + "; ".join(res["errors"]))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

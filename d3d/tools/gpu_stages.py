@@ -1,0 +1,253 @@
+"""The GPU check's measurements of the primitives, each a function that returns its JSON part.
+
+- :func:`copy_bandwidth`: the device's copy rate (bytes read and written per second over a
+  large ``copy_``), the yardstick of every floor below.
+- :func:`decode_steps`: the target's step through the backend the engine would run it with
+  (on a GPU: :mod:`d3d.backends.cuda`, decode steps replayed from CUDA graphs) at 1 / 16 / 64
+  rows after a cached context, a plain step (1 token a row) and a 16-token verify step, each
+  against its bandwidth floor (weights a step reads + the rows' keys and values, over the copy
+  rate). Rows are given their context by length alone (what the KV holds does not change the
+  time).
+- :func:`drafter_rounds`: a drafter's block (16 tokens after a cached context) and its packed
+  round of 8 branches (the chain of the draft being verified plus one block per branch, one
+  forward: :func:`d3d.worker.drafting.draft_branches`), for a drafter of the D3D-1.7B shape
+  (Qwen3-1.7B's dimensions, its own layers) and one of the target's first 31 layers.
+- :func:`captured_equals_eager`: greedy decoding of rows through captured steps against the
+  same steps run eagerly (on a CPU: the eager cuda step against the reference backend), token
+  for token.
+- :func:`memory_against_plan`: the device's peak allocation against ``d3d plan``'s count.
+
+Timings are medians over repeats, the device synchronised around each call (a step's time is
+what the engine waits for).
+
+Letters: R rows, S cached context, B block (16).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from d3d.backends import choose
+from d3d.backends.cuda import CudaTarget
+from d3d.backends.cuda.kv import MIN_CAPACITY
+from d3d.backends.hf import trim_cache
+from d3d.backends.reference import ReferenceBackend
+from d3d.backends.sizes import kv_bytes_per_token
+from d3d.model.drafter import D3DDrafter
+from d3d.model.memory import param_bytes
+from d3d.model.meta import DrafterMeta
+from d3d.tools.plan import PlanSettings, make_plan
+from d3d.worker.drafting import draft_branches
+
+BLOCK = 16
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The median time of ``fn`` in ms (one untimed call first), the device synchronised."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 4)
+
+
+def build_model(config: dict, device: torch.device, dtype: torch.dtype, layers: int | None = None):
+    """Random weights of ``config`` (``layers``: that many decoder layers), made on ``device``."""
+    d = {k: v for k, v in config.items() if k != "layer_types"}
+    if layers is not None:
+        d["num_hidden_layers"] = d["max_window_layers"] = layers
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
+    """Bytes read and written per second by ``copy_`` of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, repeats)
+    return {"bytes": nbytes, "ms": ms, "bytes_per_s": round(2 * nbytes / (ms / 1e3))}
+
+
+def step_read_bytes(model) -> int:
+    """Weights a decode step reads: all of them but the input embedding's unread rows (a
+    tied embedding is the LM head, read whole)."""
+    emb = model.get_input_embeddings().weight
+    tied = emb.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    return param_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
+
+
+@torch.inference_mode()
+def decode_steps(
+    model, rows: Sequence[int], context: int, repeats: int, bandwidth: float, graphs: bool
+) -> dict:
+    """Plain and verify steps at each row count, against their floors (module docstring)."""
+    device = next(model.parameters()).device
+    most = max(rows)
+    backend = choose("cuda", device) if graphs else choose("cuda", "cpu")
+    budget = most * max(context + 2 * BLOCK, MIN_CAPACITY)  # a slot for every row
+    target = backend.target(model, budget, rows=most, block=BLOCK)
+    weights = step_read_bytes(model)
+    per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+    out: dict = {"backend": type(target).__name__, "context": context, "rows": {}}
+    for r in rows:
+        opened = [target.kv.open(context + BLOCK) for _ in range(r)]
+        for row in opened:
+            target.kv.ensure(row, context)
+            target.kv.commit(row, context)
+        step = median_ms(lambda r=r, o=opened: target.forward(o, [[1]] * r), device, repeats)
+        verify = median_ms(
+            lambda r=r, o=opened: target.forward(o, [[1] * BLOCK] * r), device, repeats
+        )
+        floor = 1e3 * (weights + r * (context + 1) * per_token) / bandwidth
+        floor_v = 1e3 * (weights + r * (context + BLOCK) * per_token) / bandwidth
+        out["rows"][str(r)] = {
+            "step_ms": step,
+            "verify16_ms": verify,
+            "step_floor_ms": round(floor, 4),
+            "step_over_floor": round(step / floor, 3),
+            "verify16_over_floor": round(verify / floor_v, 3),
+            "verify16_over_step": round(verify / step, 3),
+        }
+        for row in opened:
+            target.kv.close(row)
+    one = out["rows"].get("1")
+    for r in rows:
+        if one and r != 1:
+            out["rows"][str(r)]["step_over_one_row"] = round(
+                out["rows"][str(r)]["step_ms"] / one["step_ms"], 3
+            )
+    out["counts"] = dict(target.counts) if isinstance(target, CudaTarget) else {}
+    out["read_bytes"] = weights
+    out["kv_bytes_per_token"] = per_token
+    return out
+
+
+def d3d_1_7b_drafter(config: dict, device: torch.device, dtype: torch.dtype) -> D3DDrafter:
+    """A random drafter of the D3D-1.7B shape (its own layers, embeddings and head)."""
+    lm = build_model(config, device, dtype)
+    depth = lm.config.num_hidden_layers
+    meta = DrafterMeta(
+        base="qwen3-1.7b-shape",
+        layers=tuple(range(depth)),
+        block_size=BLOCK,
+        shared_embeddings=False,
+        vocab_size=lm.config.vocab_size,
+        target_layers=depth,
+    )
+    return D3DDrafter(lm, meta).eval()
+
+
+@torch.inference_mode()
+def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: int = 8) -> dict:
+    """A block and a packed round of ``branches`` branches after ``context`` cached tokens."""
+    device = drafter.device
+    vocab = drafter.meta.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    cache = DynamicCache()
+    drafter.encode(ids, cache)
+    chain = ids[:BLOCK]
+    s = cache.get_seq_length()
+
+    def packed() -> None:
+        draft_branches(
+            drafter, cache, [s + k for k in range(branches)], chain[:branches], chain=chain
+        )
+        trim_cache(cache, len(chain))
+
+    return {
+        "layers": len(drafter.meta.layers),
+        "block_ms": median_ms(lambda: drafter.block_scores(ids[-1], cache), device, repeats),
+        f"packed_{branches}_branches_ms": median_ms(packed, device, repeats),
+        "weight_bytes": param_bytes(drafter),
+    }
+
+
+@torch.inference_mode()
+def greedy(target, prompts: Sequence[Sequence[int]], steps: int) -> list[list[int]]:
+    """Each prompt's ``steps`` greedy tokens decoded together through ``target``'s steps."""
+    rows = [target.kv.open(len(p) + steps + BLOCK) for p in prompts]
+    logits = target.forward(rows, [list(p) for p in prompts], [[len(p) - 1] for p in prompts])
+    for row, p in zip(rows, prompts, strict=True):
+        target.kv.commit(row, len(p))
+    out = [[int(lg[-1].argmax())] for lg in logits]
+    for _ in range(steps - 1):
+        logits = target.forward(rows, [[o[-1]] for o in out])
+        for row, o, lg in zip(rows, out, logits, strict=True):
+            target.kv.commit(row, 1)
+            o.append(int(lg[-1].argmax()))
+    for row in rows:
+        target.kv.close(row)
+    return out
+
+
+def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
+    """Greedy tokens of ``rows`` rows through captured steps against eager ones (module
+    docstring); ``model`` in float32."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (prompt + i,), generator=gen).tolist() for i in range(rows)]
+    budget = rows * max(prompt + rows + steps + 2 * BLOCK, MIN_CAPACITY)
+    on_gpu = device.type == "cuda"
+    fast = choose("cuda", device).target(model, budget, rows=rows, block=BLOCK)
+    slow = (choose("cuda", "cpu") if on_gpu else ReferenceBackend()).target(
+        model, budget, rows=rows, block=BLOCK
+    )
+    a, b = greedy(fast, prompts, steps), greedy(slow, prompts, steps)
+    return {
+        "captured": on_gpu,
+        "against": "eager cuda steps" if on_gpu else "the reference backend (no GPU)",
+        "rows": rows,
+        "steps": steps,
+        "rows_equal": sum(x == y for x, y in zip(a, b, strict=True)),
+        "graphs": fast.runner.captured if isinstance(fast, CudaTarget) else 0,
+    }
+
+
+def memory_against_plan(config: dict, device: torch.device, dtype: torch.dtype, rows: int,
+                        kv_tokens: int) -> dict:  # fmt: skip
+    """The device's peak allocation so far against ``d3d plan``'s target count for ``rows``
+    sequences of ``kv_tokens`` (None off a GPU)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "target.json"
+        path.write_text(json.dumps(config))
+        plan = make_plan(
+            PlanSettings(
+                target=str(path),
+                dtype=str(dtype).removeprefix("torch."),
+                batch=rows,
+                max_kv_tokens=kv_tokens,
+                block_size=BLOCK,
+                device=str(device),
+            )
+        )
+    t = plan.target
+    predicted = t.weight_bytes + t.kv_bytes + t.workspace_bytes
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {
+        "rows": rows,
+        "kv_tokens_a_row": kv_tokens,
+        "measured_peak_bytes": peak,
+        "plan_target_bytes": predicted,
+        "measured_over_plan": None if peak is None else round(peak / predicted, 3),
+    }
