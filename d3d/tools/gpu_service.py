@@ -2,11 +2,11 @@
 
 :func:`run_service` puts an already built target (random weights are fine: only shapes and
 kernels are measured) behind the library's :class:`~d3d.engine.Engine`, with its drafter built
-the engine's own way (:func:`~d3d.engine.build_drafter`, e.g. ``self:5``: the target's first
-five layers, sharing their tensors), and sends ``requests`` concurrent requests through the
-engine's one scheduler (``engine.scheduler(max_batch=requests)``), stepping ``sched.step()``
-until it is idle. The KV budget is exactly ``requests`` reservations, so every row joins at
-once. Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts in its own stage:
+the engine's own way (:func:`~d3d.engine.build_drafter`: ``self:5``, the target's first five
+layers sharing their tensors; or ``replay:7.88``, the replay instrument the GPU check runs, whose
+``ar`` stage records the outputs the other modes replay), and sends ``requests`` concurrent
+requests through the engine's one scheduler (``engine.scheduler(max_batch=requests)``), stepping
+``sched.step()`` until it is idle. The KV budget admits every row at once. Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts in its own stage:
 
 - aggregate throughput (generated tokens over the stage's wall time, prompts included) and the
   decode-only rate (tokens over the steps that read no prompt), and the ratio to ``ar``;
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from d3d.backends.clock import Clock
+from d3d.backends.cuda.kv import MIN_CAPACITY
 from d3d.config import DEFAULT_BLOCK_SIZE, MODES, ModelConfig
 from d3d.decoding.stats import DecodeStats
 from d3d.engine import Engine, GenRequest, PrefillBudget, build_drafter, check_device
@@ -108,8 +109,10 @@ def _spread(values: list[float], digits: int = 3) -> dict | None:
 
 
 def build_engine(model, name: str, s: ServiceSettings) -> Engine:
-    """The engine over ``model`` with ``s.drafter`` built its own way; a KV budget of exactly
-    ``s.requests`` reservations (every row admitted at once) and no prefix cache."""
+    """The engine over ``model`` with ``s.drafter`` built its own way (a ``replay:`` spec: the
+    replay instrument, :mod:`d3d.replay`, whose ``ar`` stage records what the others replay), on
+    the backend the model's device gets; a KV budget that admits every row at once and no
+    prefix cache."""
     target = LoadedModel(model, None, name)
     device = str(target.device)
     drafter_device = s.drafter_device or device
@@ -126,7 +129,8 @@ def build_engine(model, name: str, s: ServiceSettings) -> Engine:
         target_device=device,
         drafter_device=drafter_device,  # a thread worker beside the target, on this device
         pack=False,
-        max_kv_tokens=s.requests * (s.prompt_tokens + s.new_tokens + block),
+        # every row admitted at once: a reservation each (on the cuda backend, a slot each)
+        max_kv_tokens=s.requests * max(s.prompt_tokens + s.new_tokens + block, MIN_CAPACITY),
         prefix_cache="0",
     )
     engine = Engine(target, drafter, cfg)
