@@ -52,6 +52,7 @@ from d3d.decoding.verify import Acceptance, accept
 from d3d.engine.kv_store import PrefixCache
 from d3d.engine.prefixes import SharedPrefixes
 from d3d.engine.request import GenRequest, Row
+from d3d.worker.budget import round_seconds
 
 log = logging.getLogger(__name__)
 
@@ -334,12 +335,11 @@ class Scheduler:
         # A hit step: every row that drafted with the worker had its block ready (the drafting
         # was hidden); only those steps are counted as such, against their verify forward.
         hit_step = any(p.hit for p in proposals) and all(p.hit is not False for p in proposals)
-        width = 1 + max(p.k for p in proposals)
+        widest = max(p.k for p in proposals)
         for row, p, acc in zip(rows, proposals, accs, strict=True):
             self.kv.commit(row.kv, acc.num_emitted)
             # A round in a wider forward (or beside a prompt) did not pay for it alone.
-            own = p.k + 1 == width and not shared
-            row.proposer.observe(acc, seconds if own else None)
+            row.proposer.observe(acc, round_seconds(p.k, widest, shared, seconds))
             emitted = self._emit(row, acc.tokens, acc.logprobs, now)
             row.stats.record(
                 Round(

@@ -21,8 +21,13 @@ proposers, made by the caller's ``make(mode, budget)``; nothing here accepts, pr
 
 What the engine's step cost, and what a row's share of it is, comes from the time between two
 calls (the engine's schedule, forward and sampling) fitted over the tokens the step verified
-(:func:`~d3d.decoding.costs.batch_prices`, the rule the own scheduler prices rows by). A step
-that also read prompts is no row's own time.
+(:func:`~d3d.decoding.costs.batch_prices`, the rule the own scheduler prices rows by, over every
+row the step decoded, ``ar`` rows included). That time is also what each round observes, by the
+rule the worker's branch budget reads in both engines (:func:`~d3d.worker.budget.round_seconds`):
+the rounds that verified the step's widest block report it, unless the step also read a prompt
+(a row still reading, one whose prompt ended in it, or one not seen the step before). It is the
+window the worker has for a step's branches: from the blocks it answered in one call to the
+commits of the next.
 
 Per request, the rounds are recorded in a :class:`~d3d.decoding.stats.DecodeStats` (vLLM's
 metric names, branch hits and misses), kept after the request ends for ``keep_finished``
@@ -42,6 +47,7 @@ from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.proposers import Proposal, Proposer
 from d3d.decoding.stats import DecodeStats, Round
 from d3d.decoding.verify import Acceptance
+from d3d.worker.budget import round_seconds
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +102,9 @@ class RequestRows:
         self.cost = LinearCost(window=64)
         self.last_end: float | None = None
         self.last_width = 0  # tokens the last step verified (1 + drafts per decoding row)
-        self.last_prompts = False  # the last step also read prompts
+        self.last_widest = 0  # the most drafts a row was given for the last step
+        self.last_prompts = False  # the step before the last read prompts (some row read on)
+        self.last_ids: set[str] = set()  # the rows of the last step
         self.resyncs = 0
         self.reading: dict[str, float] = {}  # rows reading their prompt: when first seen
 
@@ -109,8 +117,10 @@ class RequestRows:
             self.cost.observe(self.last_width, step_s)
         out: list[list[int]] = [[] for _ in rows]
         active: list[tuple[int, RowView, _Request]] = []
-        decoding = sum(1 for r in rows if r.sampled and r.mode != "ar")
-        own_s = step_s if decoding == 1 and not self.last_prompts and len(rows) == 1 else None
+        decoding = sum(1 for r in rows if r.sampled)
+        prompts = self.last_prompts or any(
+            not r.sampled or r.req_id not in self.last_ids for r in rows
+        )
         for i, r in enumerate(rows):
             if r.mode == "ar":
                 continue
@@ -119,6 +129,7 @@ class RequestRows:
                 continue
             req = self.live.get(r.req_id)
             if req is not None and self._continues(req, r):
+                own_s = round_seconds(len(req.drafts), self.last_widest, prompts, step_s)
                 self._observe(req, r, own_s, step_s)
             else:
                 if req is not None:
@@ -130,7 +141,7 @@ class RequestRows:
             req.length = len(r.context)
             active.append((i, r, req))
         self.flush()
-        share, token_s = batch_prices(self.cost, len(active))
+        share, token_s = batch_prices(self.cost, decoding)
         for i, r, req in active:
             if (batch := getattr(req.proposer, "batch", None)) is not None:
                 batch(share, token_s)
@@ -148,7 +159,9 @@ class RequestRows:
         self.last_width = sum(1 + len(d) for d in out if d) + sum(
             1 for (r, d) in zip(rows, out, strict=True) if r.sampled and not d
         )
+        self.last_widest = max(map(len, out), default=0)
         self.last_prompts = any(not r.sampled for r in rows)
+        self.last_ids = seen
         self.last_end = self.clock()
         return out
 

@@ -6,11 +6,30 @@ both sides as it runs: the target's verify time (reported with every commit) and
 to encode a chain plus draft n branches. It fits ``t(n) = a + b n`` by least squares over recent
 rounds (with one distinct n seen so far it assumes the chain costs what one branch costs, a 16-
 token forward either way) and picks the largest n with ``t(n) <= safety * t_verify``.
+
+Which rounds report a verify time is one rule for every engine that hosts the worker
+(:func:`round_seconds`): a step's forward time goes with the commits of the rounds that verified
+its widest block, unless prompts were read in the same forward. The worker takes the longest a
+step reports, so in a batch it compares its work with the batched verification it overlaps.
+
+Both sides are wall-clock time. Where the target computes on the drafter's own device (vLLM's CPU
+build bound to every core, the drafter's included), branch work can only run when the verify
+lets go of that core, so it measures about a verify, and the budget rightly drafts no branch:
+nothing hides behind a verification that holds the drafter's device.
 """
 
 from __future__ import annotations
 
 from d3d.decoding.costs import Ema, LinearCost
+
+
+def round_seconds(drafts: int, widest: int, prompts: bool, seconds: float | None) -> float | None:
+    """A round's target time as its proposer observes it (and its commit carries to the worker):
+    the step's forward ``seconds`` when the round verified ``drafts`` as many as the step's widest
+    round did and the forward read no prompt, else None (the forward was not this round's alone,
+    or also did other work). A proposer that prices its rounds tells a batch's time from its own
+    by the share it was given; the worker needs the batch's."""
+    return seconds if drafts == widest and not prompts else None
 
 
 class BranchBudget:

@@ -16,6 +16,7 @@ from d3d.decoding.policy import HostCosts
 from d3d.vllm.rows import RequestRows, RowView
 from d3d.worker.modes import ModeKit
 from d3d.worker.proposer import BatchedLink
+from d3d.worker.protocol import Commits
 from tests.concurrency.fakes import ScriptedWorker
 from tests.conftest import OracleDrafter, greedy_continuation, tiny_model
 
@@ -150,6 +151,37 @@ def test_step_timing_prices_rows_in_a_batch():
     run(reqs, rows)
     assert rows.cost.samples, "every step after the first was timed over its width"
     assert all(t > 0 for _, t in rows.cost.samples)
+
+
+def test_a_batched_step_tells_the_worker_its_verify_time():
+    """The worker's branch budget must see the verification its branches overlap: in a batch,
+    the rounds that verified the widest block report the step's time, as on the own engine
+    (before, only a row alone did, so a batch's commits carried 0 and the budget never learnt
+    the batched verify)."""
+    clock = iter(range(10_000))
+    rows, worker = make_rows()
+    rows.clock = lambda: float(next(clock))
+    steps: list[list] = []
+    send = worker.send
+
+    def record(msg):
+        if isinstance(msg, Commits):
+            steps.append(msg.items)
+        send(msg)
+
+    worker.send = record
+    reqs = [Req(f"v{i}", p, 16, "async") for i, p in enumerate(PROMPTS)]
+    run(reqs, rows)
+    for r in reqs:
+        assert r.out == next_tokens(r.prompt, r.max_tokens)
+    seen: set[int] = set()
+    batched = []
+    for items in steps:  # a session's first commit is its prefill's (round 0)
+        if len(items) > 1 and all(c.sid in seen for c in items):
+            batched.append(max(c.verify_s for c in items))
+        seen.update(c.sid for c in items)
+    assert batched, "the requests decoded together"
+    assert all(v > 0 for v in batched), batched
 
 
 def test_rows_ignore_what_vllm_has_not_sampled():
