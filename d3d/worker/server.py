@@ -252,10 +252,13 @@ class DraftServer(MessageServer):
         (None: of the prefill, i.e. the first answer token) of which the target verifies the
         first ``length`` drafts (None: all), and encode as much of the draft chain as they
         need, all in one forward (see :mod:`d3d.worker.drafting`). ``rows``: how many rows
-        share this verification's budget."""
+        share this verification's budget. Its time is a sample of the budget's cost model
+        unless it also read tokens the drafter had not (a prompt, the catch-up after plain
+        steps): that reading grows with their number, not with the branches."""
         d = self.drafter
         t0 = self.clock()
         pending, anchor = self._rewind(sess), sess.committed[-1]
+        reads = bool(pending)
         n0 = len(sess.committed)  # the anchor is committed token n0 - 1
         if block is None:  # the drafter's own next-token view at the prompt's end
             scores = encode_chain(d, sess.cache, [*pending, anchor], keep=1)  # [1, V_d]
@@ -289,7 +292,8 @@ class DraftServer(MessageServer):
             d.encode(chain, sess.cache)
         if chain:
             sess.cached_ids = sess.committed + drafts[:m]
-        self.budget.observe_cost(len(outcomes), self.clock() - t0)
+        if not reads:
+            self.budget.observe_cost(len(outcomes), self.clock() - t0)
 
 
 def server_for(drafter: Any, cfg: ServerConfig | None = None) -> MessageServer:

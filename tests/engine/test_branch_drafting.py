@@ -86,6 +86,23 @@ def test_server_hit_serves_the_prepared_branch_and_miss_drafts_now():
     assert not server.sessions
 
 
+def test_reading_a_prompt_is_no_sample_of_the_branch_cost():
+    """The budget fits ``t(n) = a + b n`` to branch rounds. A prepare that first reads a prompt
+    (or the catch-up after plain steps) grows with those tokens instead; counted, one long
+    prompt read made branches look as dear as a verify, and none was drafted for many rounds."""
+    target = tiny_model("llama", seed=1)
+    drafter = D3DDrafter.from_target(target, 1, block_size=4)
+    ticks = iter(range(10_000))
+    server = DraftServer(drafter, ServerConfig(max_branches=6), clock=lambda: float(next(ticks)))
+    _run(server, [Open(1, [5, 6, 7, 8], SamplingConfig(), 0)])
+    assert server.sessions[1].branches, "branches for the first token, prompt read"
+    assert not server.budget.cost.samples
+    (_, _, r), _ = next(iter(server.sessions[1].branches.items()))
+    [blk] = _run(server, [Commit(1, [r], 0.1)])
+    assert blk.hit is True
+    assert len(server.budget.cost.samples) == 1, "a round with nothing to read is a sample"
+
+
 def test_plain_steps_leave_the_drafter_idle_until_a_block_is_wanted():
     """A lazy Open and commits for plain steps run no forward; the first wanted block reads
     everything pending in its own forward and equals drafting from a cache kept up to date."""
