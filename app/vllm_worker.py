@@ -46,7 +46,7 @@ from d3d.backends.sizes import kv_bytes_per_token
 from d3d.config import SamplingConfig
 from d3d.decoding.sampling import TokenLogprob
 from d3d.vllm import VLLM_VERSION
-from d3d.vllm.engine import engine_args, prepare_env, speculative_config
+from d3d.vllm.engine import engine_args, on_vllm_cores, prepare_env, speculative_config
 from d3d.vllm.proposer import worker_cores
 from d3d.vllm.stats import StatsClient
 
@@ -209,7 +209,8 @@ class VllmWorker:
             per_token = kv_bytes_per_token(self.engine.target.model.config, _dtype(args["dtype"]))
             args["kv_cache_memory_bytes"] = cfg.max_kv_tokens * per_token
         log.info("vLLM engine arguments: %s", args)
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        with on_vllm_cores(cfg):  # vLLM's processes stay off a drafter's own cores
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self.models = Models(self.engine, s.doc_cache_dir)
         self.detokenizer = copy.deepcopy(self.engine.tokenizer)
         self.eos = set(self.engine.target.eos_token_ids)

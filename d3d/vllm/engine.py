@@ -11,16 +11,29 @@ sets the variables the proposer reads in vLLM's model-runner process (``D3D_TARG
 skips empty draft round trips: :mod:`d3d.vllm.draft_fetch`), which inherits this process's
 environment, and on a CPU host lets vLLM compute on every core (its default reserves one for its
 front end) unless the caller set ``VLLM_CPU_*`` already.
+
+A drafter given CPU cores of its own (``--drafter-device cpu:CORES``) holds them alone, as on the
+own engine (:func:`d3d.engine.placement.resolve_placement`): vLLM computes on the other cores
+(:func:`vllm_cores`), and its processes are started on them (:func:`on_vllm_cores`), since its
+engine core busy-waits for the model runner through every forward. Without that, the drafter's
+branch work for a step could only run once vLLM's forward let go of its core, and the branch
+budget, rightly, would prepare none (``async`` would work as ``sync``). vLLM cannot move its
+threads between steps as the own engine does (it binds them once and refuses
+``torch.set_num_threads`` after), so the split holds for every step, plain ones included: the
+default placement (the drafter on the last core, shared) keeps vLLM on every core.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from d3d.config import DEFAULT_BLOCK_SIZE, ModelConfig
+from d3d.config import DEFAULT_BLOCK_SIZE, ConfigError, ModelConfig
+from d3d.engine.placement import resolve_placement
 from d3d.model.load import DEFAULT_SPECS, embedded_default_dir
 from d3d.vllm import PROPOSER, draft_fetch
 
@@ -93,9 +106,41 @@ def prepare_env(cfg: ModelConfig, mode: str = "auto", stats_path: str | None = N
     name = f"d3d-drafted-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per engine
     env[draft_fetch.ENV] = os.path.join(tempfile.gettempdir(), name)
     if not cfg.target_device.startswith("cuda"):
-        cores = sorted(os.sched_getaffinity(0))
-        contiguous = cores == list(range(cores[0], cores[-1] + 1))
+        cores = vllm_cores(cfg)
+        contiguous = len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1))
         bind = f"{cores[0]}-{cores[-1]}" if contiguous else ",".join(map(str, cores))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+
+def vllm_cores(cfg: ModelConfig) -> list[int]:
+    """The CPU cores vLLM computes on: this process's, but those the drafter was given as its
+    own (``--drafter-device cpu:CORES``; see the module docstring). Raises ConfigError naming
+    ``--drafter-device`` when the drafter would leave vLLM none."""
+    cores = sorted(os.sched_getaffinity(0))
+    dev = cfg.drafter_device or ""
+    if cfg.target_device.startswith("cuda") or not dev.startswith("cpu:"):
+        return cores
+    rest = list(resolve_placement(cfg.target_device, dev, cores).target_cores)
+    if not rest:
+        raise ConfigError(f"--drafter-device: {dev} leaves vLLM no core of {cores}")
+    return rest
+
+
+@contextlib.contextmanager
+def on_vllm_cores(cfg: ModelConfig) -> Iterator[None]:
+    """Start vLLM's engine inside this: where the drafter holds CPU cores of its own, the calling
+    thread keeps to :func:`vllm_cores` meanwhile, so the processes vLLM starts (its engine core,
+    which busy-waits for its model runner through every forward, and the runner) inherit them
+    and never run on the drafter's. Elsewhere it does nothing."""
+    cores = set(vllm_cores(cfg))
+    before = os.sched_getaffinity(0)
+    if cores == before:
+        yield
+        return
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

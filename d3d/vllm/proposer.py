@@ -8,8 +8,10 @@ draft ids per row of its input batch. This adapter holds no rule of its own:
 
 - the drafter runs in its own process (:class:`~d3d.worker.workers.ProcessWorker`: started with
   ``subprocess``, since vLLM's runner is a daemon process that may not start multiprocessing
-  children) on its own device (``D3D_DRAFTER_DEVICE``: ``cuda:1`` on a GPU host; a CPU core of
-  its own here, ``cpu:1``, by default the last core), under a
+  children) on its own device (``D3D_DRAFTER_DEVICE``: ``cuda:1`` on a GPU host; here
+  ``cpu:1``, whose core vLLM is then started off (:mod:`d3d.vllm.engine`); by default on the
+  cores vLLM's CPU build computes on too, where no branch fits beside its verification, as the
+  proposer says at load), under a
   :class:`~d3d.worker.supervisor.Supervisor` that replaces it when it dies or hangs; only token
   ids cross;
 - each request's proposer is the project's own (:mod:`d3d.worker.modes`): ``ar``, ``sync`` (the
@@ -135,6 +137,18 @@ def _cpu_platform() -> bool:
         return False
 
 
+def cores_shared_with_vllm(cores: list[int] | None) -> list[int]:
+    """Which of the drafter's ``cores`` (those it was given, else those it inherits from the
+    calling thread) vLLM's CPU build computes on too, from the binding it was started with
+    (``VLLM_CPU_OMP_THREADS_BIND``; none where that is not a core list)."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    try:
+        vllm = {c for part in bind.split("|") for c in parse_cores(part)}
+    except ValueError:  # "auto", "nobind", unset: not known here
+        return []
+    return sorted(vllm.intersection(cores or ()))
+
+
 def worker_cores(device: str | None) -> list[int] | None:
     """The CPU cores of a drafter process: ``cpu:CORES`` as given, else the last core when
     there are two or more (None: a GPU drafter, or one core)."""
@@ -190,6 +204,13 @@ class D3DProposer:
             self.k,
             self.settings.mode,
         )
+        if torch_device == "cpu" and (shared := cores_shared_with_vllm(cores or available_cores())):
+            log.warning(
+                "D3D proposer: vLLM computes on the drafter's core(s) %s too, so no branch fits "
+                "beside its verification (async rounds draft on the commit, as sync); "
+                "--drafter-device cpu:N gives the drafter cores of its own",
+                shared,
+            )
         factory = DrafterFactory(cfg, torch_device)
         server = ServerConfig(fixed_branches=self.settings.branches)
         self.supervisor = Supervisor(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from d3d.config import ModelConfig
-from d3d.vllm.engine import engine_args, prepare_env
+from d3d.vllm.engine import engine_args, on_vllm_cores, prepare_env
 from d3d.vllm.stats import StatsClient
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs it)")
@@ -71,7 +71,8 @@ def start(cfg: ModelConfig, stats_path: str, **kw) -> Served:
     prepare_env(cfg, stats_path=stats_path)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     args = engine_args(cfg, eager=True, **kw)
-    llm = LLM(**args)
+    with on_vllm_cores(cfg):
+        llm = LLM(**args)
     return Served(llm, StatsClient(stats_path))
 
 
