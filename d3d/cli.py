@@ -49,8 +49,8 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
         help="drafter spec: default, self:N, self:i,j,k or a checkpoint dir; or "
         "replay:TAU[:HIT][:SHAPE], a measurement instrument, never a drafter to serve with: "
         "the target's own recorded greedy output corrupted to a mean acceptance TAU (branch "
-        "hit rate HIT, default 0.78; SHAPE: a drafter whose forwards run for real beside it), "
-        "docs/replay.md",
+        "hit rate HIT, default 0.78; SHAPE: a drafter whose forwards run for real beside it; "
+        "d3d generate only), docs/replay.md",
     )
     g.add_argument("--device", default=None, help="target device (cpu, cuda, cuda:0)")
     g.add_argument(
@@ -101,6 +101,18 @@ def add_model_args(p: argparse.ArgumentParser, remember_costs: bool = False) -> 
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The models a command loads. A replay drafter (a measurement instrument) only where the
+    command says it runs one (``d3d generate``)."""
+    cfg = _model_config(args)
+    if is_replay(cfg.drafter) and not getattr(args, "runs_replay", False):
+        raise ConfigError(
+            f"drafter: {cfg.drafter} is a measurement instrument that d3d generate --mode sync "
+            "or async runs; this command cannot use it"
+        )
+    return cfg
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig.from_env(
         target=args.target,
         drafter=args.drafter,
@@ -297,7 +309,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also run the target alone and print both, with the speed-up (always, with a "
         "replay drafter: its ar run is the recording)",
     )
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, runs_replay=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
