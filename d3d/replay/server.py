@@ -162,8 +162,9 @@ class ReplayServer(MessageServer):
             for j, t in outcomes
         }
         if self.forwards is not None and outcomes:
-            self.forwards.branches(sid, row.committed, drafts, outcomes)
-            self.budget.observe_cost(len(outcomes), self.clock() - t0)
+            reads = self.forwards.branches(sid, row.committed, drafts, outcomes)
+            if not reads:  # reading a prompt or a catch-up is no sample of the branch cost
+                self.budget.observe_cost(len(outcomes), self.clock() - t0)
 
     def _count(self, rows: int) -> int:
         """Branches per row this round: the budget's with a drafter shape (what fits inside the

@@ -117,9 +117,10 @@ class ShapeForwards:
         committed: Sequence[int],
         drafts: Sequence[int],
         outcomes: Sequence[tuple[int, int]],
-    ) -> None:
+    ) -> bool:
         """One forward: the chain ``[pending, anchor, d_1..d_m]`` the ``outcomes`` (k, r)
-        need (m = their largest k) and a block per outcome, seeing the chain up to d_k."""
+        need (m = their largest k) and a block per outcome, seeing the chain up to d_k.
+        Whether it also read committed tokens the cache lacked (a prompt, a catch-up)."""
         cache, pending, anchor = self._read(sid, committed)
         m = max(k for k, _ in outcomes)
         chain = [*pending, anchor, *fold(drafts[:m], self.vocab)]
@@ -127,3 +128,4 @@ class ShapeForwards:
         anchors = fold([max(r, 0) for _, r in outcomes], self.vocab)
         draft_branches(self.drafter, cache, visible, anchors, chain)
         self.caches[sid] = (cache, [*fold(committed, self.vocab), *chain[len(pending) + 1 :]])
+        return bool(pending)
