@@ -52,8 +52,15 @@ def build_drafter(
     no second copy) instead of copies that training may update."""
     if is_replay(spec):  # the measurement instrument (d3d.replay), never a default
         from d3d.replay import build_replay
+        from d3d.replay.shape import is_random
 
-        return build_replay(spec, target, device, share_layers)
+        shape = parse_replay(spec).shape
+        built = None  # a drafter spec shape is built here, the engine's way
+        if shape and is_replay(shape):
+            raise DrafterError(f"a replay's drafter shape cannot be a replay: {spec!r}")
+        if shape and not is_random(shape):
+            built = build_drafter(shape, target, device, share_layers)
+        return build_replay(spec, target, device, shape=built)
     depth = int(target.model.config.num_hidden_layers)
     resolved = resolve_spec(spec, target.spec, depth)
     if resolved != spec and resolved.startswith("self:"):

@@ -35,7 +35,7 @@ from d3d.model.load import LoadedModel
 from d3d.replay.book import ReplayBook
 from d3d.replay.schedule import Replay
 from d3d.replay.server import ReplayOpen, ReplayServer
-from d3d.replay.shape import build_shape, fold, shape_vocab
+from d3d.replay.shape import fold, is_random, random_shape, shape_vocab
 from d3d.replay.spec import ReplaySpec, parse_replay
 from d3d.worker.proposer import BatchedLink, WorkerLink
 from d3d.worker.protocol import Open
@@ -193,13 +193,21 @@ def build_replay(
     spec: str,
     target: LoadedModel,
     device: str | torch.device | None = None,
-    share_layers: bool = True,
+    shape: D3DDrafter | None = None,
 ) -> ReplayDrafter:
-    """The replay drafter of ``spec`` (``replay:TAU[:HIT][:SHAPE]``) for ``target``, its shape
-    built on ``device`` (default: the target's)."""
+    """The replay drafter of ``spec`` (``replay:TAU[:HIT][:SHAPE]``) for ``target`` on
+    ``device`` (default: the target's). A ``shape=CONFIG[@LAYERS]`` shape is built here; a
+    shape that is a drafter spec comes built as ``shape`` (:func:`d3d.engine.build_drafter`
+    builds it the engine's way)."""
     rs = parse_replay(spec)
     dev = device or target.device
-    shape = build_shape(rs.shape, target, dev, share_layers) if rs.shape else None
+    if rs.shape and shape is None:
+        if not is_random(rs.shape):
+            raise DrafterError(
+                f"replay shape {rs.shape!r} is a drafter spec: build the replay with "
+                "d3d.engine.build_drafter, which builds its shape"
+            )
+        shape = random_shape(rs.shape, dev, target.model.dtype)
     return ReplayDrafter(rs, target.vocab_size, dev, shape=shape)
 
 

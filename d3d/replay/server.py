@@ -28,18 +28,31 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch
 
 from d3d.backends.clock import Clock
+from d3d.model.drafter import D3DDrafter
 from d3d.model.meta import DrafterError
 from d3d.replay.schedule import Planned, Replay, decoys
 from d3d.replay.shape import ShapeForwards
+from d3d.replay.spec import ReplaySpec
 from d3d.worker.budget import BranchBudget
 from d3d.worker.protocol import Block, Commit, Open
 from d3d.worker.server import MessageServer, ServerConfig
 
-if TYPE_CHECKING:
-    from d3d.replay.drafter import ReplayDrafter
+
+class ReplaySource(Protocol):
+    """What the server reads of its replay drafter (:class:`~d3d.replay.drafter.ReplayDrafter`):
+    the spec, the block and vocabulary sizes, the device, and the shape whose forwards run."""
+
+    spec: ReplaySpec
+    block_size: int
+    vocab_size: int
+    device: torch.device
+    shape: D3DDrafter | None
+
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +78,7 @@ class ReplayServer(MessageServer):
     """Serves every ``async`` replay row of one engine (see the module docstring)."""
 
     def __init__(
-        self, drafter: ReplayDrafter, cfg: ServerConfig | None = None, clock: Callable | None = None
+        self, drafter: ReplaySource, cfg: ServerConfig | None = None, clock: Callable | None = None
     ):
         self.drafter = drafter  # the worker reads its device
         self.cfg = cfg or ServerConfig()

@@ -5,10 +5,12 @@ shape (``replay:7.88:0.78:self:4``, ``replay:7.88:shape=qwen3-8b@31``) makes eve
 branch the replay proposes also run as a forward of that drafter, on the request's real
 committed tokens, so drafting takes what it would take with a trained drafter of that size.
 
-- :func:`build_shape` builds it: a drafter spec through :func:`d3d.engine.build_drafter`, or
+- a drafter spec shape is built by the engine's loader (:func:`d3d.engine.build_drafter`, which
+  hands it to :func:`d3d.replay.build_replay`); :func:`random_shape` builds
   ``shape=CONFIG[@LAYERS]``, random weights of a model config (a shipped name under
-  ``d3d/configs``, or a ``config.json``) cut to LAYERS layers, made on the drafter's device in
-  the target's dtype. Its vocabulary need not be the target's: ids are folded into it.
+  ``d3d/configs``, or a ``config.json``: :mod:`d3d.model.shapes`) cut to LAYERS layers, made on
+  the drafter's device in the target's dtype. Its vocabulary need not be the target's: ids are
+  folded into it.
 - ``sync`` runs the shape in a :class:`~d3d.model.session.DraftSession` (its cache of committed
   tokens, one block forward a round).
 - :class:`ShapeForwards` runs ``async``'s forwards in the worker as the D3D worker runs them
@@ -24,8 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from d3d.model.drafter import D3DDrafter, DrafterError
-from d3d.model.load import LoadedModel
 from d3d.model.session import rewind
+from d3d.model.shapes import load_config
 from d3d.worker.drafting import can_batch, draft_blocks, draft_branches
 
 SHAPE_PREFIX = "shape="
@@ -40,26 +42,19 @@ def fold(ids: Sequence[int], vocab: int) -> list[int]:
     return [int(t) % vocab for t in ids]
 
 
-def build_shape(
-    shape: str, target: LoadedModel, device: str | torch.device, share_layers: bool = True
-) -> D3DDrafter:
-    """The drafter a replay's ``SHAPE`` names (see the module docstring)."""
-    if not shape.startswith(SHAPE_PREFIX):
-        from d3d.engine.loading import build_drafter
-
-        return build_drafter(shape, target, str(device), share_layers=share_layers)
-    return random_shape(shape[len(SHAPE_PREFIX) :], device, target.model.dtype)
+def is_random(shape: str) -> bool:
+    """Whether a replay's shape names random weights of a config (else: a drafter spec)."""
+    return shape.startswith(SHAPE_PREFIX)
 
 
-def random_shape(text: str, device: str | torch.device, dtype: torch.dtype) -> D3DDrafter:
-    """``CONFIG[@LAYERS]``: a random-weight drafter of that config's first LAYERS layers."""
-    from d3d.tools.plan import PlanError, load_config
-
+def random_shape(shape: str, device: str | torch.device, dtype: torch.dtype) -> D3DDrafter:
+    """``shape=CONFIG[@LAYERS]``: a random-weight drafter of that config's first LAYERS layers."""
+    text = shape.removeprefix(SHAPE_PREFIX)
     name, _, layers = text.partition("@")
     try:
         _, cfg = load_config(name)
         depth = int(layers) if layers else int(cfg.num_hidden_layers)
-    except (PlanError, ValueError) as exc:
+    except ValueError as exc:  # ShapeError included
         raise DrafterError(f"replay shape {text!r}: {exc}") from None
     if not 1 <= depth <= int(cfg.num_hidden_layers):
         raise DrafterError(

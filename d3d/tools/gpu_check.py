@@ -46,10 +46,10 @@ from pathlib import Path
 import torch
 
 from d3d.model.drafter import D3DDrafter
+from d3d.model.shapes import CONFIGS
 from d3d.tools import gpu_stages as st
 from d3d.tools.gpu_service import ServiceSettings, run_service, service_errors
 from d3d.tools.gpu_vllm import run_vllm, vllm_errors
-from d3d.tools.plan import CONFIGS
 
 log = logging.getLogger(__name__)
 

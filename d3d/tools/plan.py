@@ -29,19 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from d3d.backends.sizes import dtype_bytes, kv_bytes_per_token
+from d3d.model import shapes
 from d3d.model.load import resolve_dtype
 from d3d.model.memory import activation_bytes_per_row, param_bytes
 from d3d.model.skeleton import meta_lm
 from d3d.model.specs import self_layers
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GIB = 2**30
 
 
@@ -50,21 +49,12 @@ class PlanError(ValueError):
 
 
 def load_config(spec: str) -> tuple[str, PretrainedConfig]:
-    """A model config from a shipped name, a ``config.json`` file or a model folder."""
-    path = CONFIGS / f"{spec}.json" if (CONFIGS / f"{spec}.json").is_file() else Path(spec)
-    path = path.expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.json")))
-        raise PlanError(f"no model config at {spec!r}: give a config.json, a folder or {shipped}")
+    """A model config from a shipped name, a ``config.json`` file or a model folder
+    (:func:`d3d.model.shapes.load_config`)."""
     try:
-        d = json.loads(path.read_text())
-        return path.parent.name if path.name == "config.json" else path.stem, AutoConfig.for_model(
-            d.pop("model_type"), **d
-        )
-    except (json.JSONDecodeError, KeyError, ValueError) as exc:
-        raise PlanError(f"{path} is not a model config: {exc}") from exc
+        return shapes.load_config(spec)
+    except shapes.ShapeError as exc:
+        raise PlanError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import logging
 import pytest
 
 from d3d.config import DecodeConfig, ModelConfig, SamplingConfig
-from d3d.engine import GenRequest
+from d3d.engine import GenRequest, build_drafter
 from d3d.model.load import LoadedModel
 from d3d.model.meta import DrafterError
-from d3d.replay import ReplayDrafter, build_replay, record
+from d3d.replay import ReplayDrafter, record
 from d3d.replay.shape import ShapeForwards
 from tests.conftest import tiny_engine, tiny_model, tiny_tokenizer
 
@@ -21,7 +21,7 @@ PROMPT = [1, 5, 9, 22, 7]
 
 
 def replay_engine(model, spec: str = "replay:7.88"):
-    engine = tiny_engine(model, build_replay(spec, LoadedModel(model, None, "tiny")))
+    engine = tiny_engine(model, build_drafter(spec, LoadedModel(model, None, "tiny")))
     engine.scheduler(max_batch=16).eos_ids = set()  # random weights: run to the budget
     return engine
 

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from d3d.model.drafter import D3DDrafter
-from d3d.tools.plan import CONFIGS, PlanError, PlanSettings, make_plan, register
+from d3d.model.shapes import CONFIGS
+from d3d.tools.plan import PlanError, PlanSettings, make_plan, register
 
 # name: hidden, layers, heads, KV heads, head dim, intermediate, vocab, published parameters
 PUBLISHED = {
