@@ -17,7 +17,8 @@ from d3d.backends.target import BatchTarget
 
 
 class ReferenceBackend:
-    """See the module docstring."""
+    """See the module docstring. The other backends extend it: where their own path does not
+    fit, they fall back to its :meth:`target`."""
 
     name = "reference"
 

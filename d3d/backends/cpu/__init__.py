@@ -32,6 +32,7 @@ from d3d.backends.cpu import attention, groups, heap, lean
 from d3d.backends.cpu.fused import fuse
 from d3d.backends.cpu.packing import pack_linears
 from d3d.backends.kv import KvHooks, RowKV
+from d3d.backends.reference import ReferenceBackend
 from d3d.backends.target import BatchTarget
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 _VERDICTS: weakref.WeakKeyDictionary[nn.Module, tuple[bool, bool]] = weakref.WeakKeyDictionary()
 
 
-class CpuBackend:
+class CpuBackend(ReferenceBackend):
     """See the module docstring."""
 
     name = "cpu"
@@ -69,7 +70,7 @@ class CpuBackend:
         block: int = 16,
     ) -> BatchTarget:
         if not self._agrees(model):
-            return BatchTarget(model, RowKV.for_model(model, max_kv_tokens), clock)
+            return super().target(model, max_kv_tokens, clock)
         return self._target(model, max_kv_tokens, clock)
 
     def _target(self, model: nn.Module, max_kv_tokens: int, clock: Clock = WALL) -> BatchTarget:

@@ -25,7 +25,7 @@ from d3d.backends.clock import WALL, Clock
 from d3d.backends.cuda.forward import unfit
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.backends.cuda.target import BUCKETS, CudaTarget
-from d3d.backends.kv import RowKV
+from d3d.backends.reference import ReferenceBackend
 from d3d.backends.target import BatchTarget
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ SAMPLE_BLOCK = 16  # the load-time sample's verify width
 _VERDICTS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-class CudaBackend:
+class CudaBackend(ReferenceBackend):
     """See the module docstring."""
 
     name = "cuda"
@@ -49,9 +49,6 @@ class CudaBackend:
             log.warning("the cuda backend cannot run %s (%s): the reference runs it",
                         type(model).__name__, why)  # fmt: skip
 
-    def prepare_drafter(self, model: nn.Module) -> None:
-        """Nothing: the drafter worker drafts through the model's own forward."""
-
     def target(
         self,
         model: nn.Module,
@@ -63,7 +60,7 @@ class CudaBackend:
         """A :class:`CudaTarget` for at most ``rows`` rows at once over ``max_kv_tokens``, or the
         reference's target where the model does not fit or its sample disagrees."""
         if unfit(model) or not self._agrees(model):
-            return BatchTarget(model, RowKV.for_model(model, max_kv_tokens), clock)
+            return super().target(model, max_kv_tokens, clock)
         return self._target(model, max_kv_tokens, clock, rows, block)
 
     def _target(
