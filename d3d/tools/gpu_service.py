@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from d3d.backends import Backend
 from d3d.backends.clock import Clock
 from d3d.backends.cuda.kv import MIN_CAPACITY
 from d3d.config import DEFAULT_BLOCK_SIZE, MODES, ModelConfig
@@ -108,11 +109,11 @@ def _spread(values: list[float], digits: int = 3) -> dict | None:
     }
 
 
-def build_engine(model, name: str, s: ServiceSettings) -> Engine:
+def build_engine(model, name: str, s: ServiceSettings, backend: Backend | None = None) -> Engine:
     """The engine over ``model`` with ``s.drafter`` built its own way (a ``replay:`` spec: the
     replay instrument, :mod:`d3d.replay`, whose ``ar`` stage records what the others replay), on
     the backend the model's device gets; a KV budget that admits every row at once and no
-    prefix cache."""
+    prefix cache. ``backend``: how the target runs (default: chosen by its device)."""
     target = LoadedModel(model, None, name)
     device = str(target.device)
     drafter_device = s.drafter_device or device
@@ -133,7 +134,7 @@ def build_engine(model, name: str, s: ServiceSettings) -> Engine:
         max_kv_tokens=s.requests * max(s.prompt_tokens + s.new_tokens + block, MIN_CAPACITY),
         prefix_cache="0",
     )
-    engine = Engine(target, drafter, cfg)
+    engine = Engine(target, drafter, cfg, backend)
     engine.scheduler(max_batch=s.requests)  # built now: max_batch only counts on first use
     return engine
 
@@ -283,12 +284,14 @@ def run_mode(
     return ModeRun(mode, requests, steps, wall, t0, timed_out, _peaks(engine))
 
 
-def run_service(model, name: str, config: dict, s: ServiceSettings, time_left) -> dict:
+def run_service(
+    model, name: str, config: dict, s: ServiceSettings, time_left, backend: Backend | None = None
+) -> dict:
     """Build the engine over ``model`` (``name``, whose config is ``config``: a dict as in
     ``d3d/configs/``), warm each mode up with one short request, then run each mode's stage.
     ``time_left()``: seconds this run may still take (each stage gets the lesser of that, minus
     a margin, and ``s.stage_seconds``)."""
-    engine = build_engine(model, name, s)
+    engine = build_engine(model, name, s, backend)
     out: dict = {
         "settings": asdict(s) | {"max_kv_tokens": engine.model_cfg.max_kv_tokens},
         "devices": {

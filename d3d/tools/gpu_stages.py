@@ -36,7 +36,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from d3d.backends import choose
-from d3d.backends.cuda import CudaTarget
+from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.kv import MIN_CAPACITY
 from d3d.backends.hf import trim_cache
 from d3d.backends.reference import ReferenceBackend
@@ -102,12 +102,13 @@ def decode_steps(
     """Plain and verify steps at each row count, against their floors (module docstring)."""
     device = next(model.parameters()).device
     most = max(rows)
-    backend = choose("cuda", device) if graphs else choose("cuda", "cpu")
+    backend = CudaBackend(graphs=graphs, trust=True)  # timed even if its sample disagreed
     budget = most * max(context + 2 * BLOCK, MIN_CAPACITY)  # a slot for every row
     target = backend.target(model, budget, rows=most, block=BLOCK)
     weights = step_read_bytes(model)
     per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
     out: dict = {"backend": type(target).__name__, "context": context, "rows": {}}
+    out["sample"] = backend.report(model)  # the load-time check against the reference
     for r in rows:
         opened = [target.kv.open(context + BLOCK) for _ in range(r)]
         for row in opened:

@@ -79,6 +79,18 @@ def test_a_model_of_another_form_runs_the_reference():
     assert not isinstance(target, CudaTarget)
 
 
+def test_a_disagreeing_sample_runs_the_reference_unless_trusted(monkeypatch):
+    from d3d.backends import check
+
+    model = tiny_model("qwen3", seed=2)
+    assert CudaBackend(graphs=False).report(model)["agrees"]  # the real check passes
+    monkeypatch.setattr(check, "tolerance", lambda dtype: -1.0)  # now nothing can agree
+    report = CudaBackend(graphs=False).report(model)
+    assert not report["agrees"] and 0 <= report["relative_error"] < 1e-4
+    assert not isinstance(CudaBackend(graphs=False).target(model, 4096), CudaTarget)
+    assert isinstance(CudaBackend(graphs=False, trust=True).target(model, 4096), CudaTarget)
+
+
 def test_auto_picks_cuda_on_a_gpu_and_the_cpu_backend_here():
     assert choose("auto", "cpu").name == "cpu"
     assert choose("cuda", "cpu").name == "cuda" and not choose("cuda", "cpu").graphs
