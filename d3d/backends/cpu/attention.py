@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from d3d.backends import check
+
 log = logging.getLogger(__name__)
 
 MODEL_FLAG = "_d3d_paged_attention"  # on the model: the kernel's ISA (its KV keeps keys transposed)
 MODULE_FLAG = "_d3d_paged_isa"  # on each attention module: the kernel's ISA
-TOLERANCE = 1e-4
 
 
 def paged_attention(model: nn.Module) -> str | None:
@@ -105,8 +106,7 @@ def _sample_agrees(hq: int, hkv: int, d: int, dtype: torch.dtype, isa: str) -> b
             )
             want.append(o[0].transpose(0, 1))
         want_t = torch.cat(want)
-    err = float((got - want_t).abs().max() / want_t.abs().max().clamp_min(1e-6))
-    return err <= TOLERANCE
+    return check.relative_error(got, want_t) <= check.TOLERANCE
 
 
 def attend(

@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from d3d.backends import check
 from d3d.backends.cpu import attention as cpu_attention
 
 log = logging.getLogger(__name__)
 
-TOLERANCE = 1e-4  # a sample's largest relative difference accepted from a fused kernel
 _state = threading.local()  # depth: fused forwards running in this thread; memo: the rope cache
 
 
@@ -244,7 +244,8 @@ def _wants_grad(*xs: torch.Tensor) -> bool:
 
 def agree(fused: Callable[[], torch.Tensor], own: Callable[[], torch.Tensor]) -> bool:
     """Whether a fused kernel's (or forward's) result on a sample is the model's own, to float
-    rounding (``TOLERANCE``; a kernel that refuses the sample does not agree)."""
+    rounding (:func:`d3d.backends.check.relative_error` within its ``TOLERANCE``; a kernel that
+    refuses the sample does not agree)."""
     try:
         got = fused()
     except RuntimeError as e:
@@ -253,5 +254,4 @@ def agree(fused: Callable[[], torch.Tensor], own: Callable[[], torch.Tensor]) ->
     want = own()
     if got.shape != want.shape:
         return False
-    scale = want.abs().max().clamp_min(1e-6)
-    return bool(((got - want).abs().max() / scale) <= TOLERANCE)
+    return check.relative_error(got, want) <= check.TOLERANCE
