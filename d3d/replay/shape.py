@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.session import rewind
-from d3d.model.shapes import load_config
+from d3d.model.shapes import load_config, random_model
 from d3d.worker.drafting import can_batch, draft_blocks, draft_branches
 
 SHAPE_PREFIX = "shape="
@@ -60,12 +60,7 @@ def random_shape(shape: str, device: str | torch.device, dtype: torch.dtype) -> 
         raise DrafterError(
             f"replay shape {text!r}: layers must be in 1..{cfg.num_hidden_layers}, got {depth}"
         )
-    cfg.num_hidden_layers = depth
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = list(cfg.layer_types)[:depth]
-    with torch.device(device):
-        lm = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    lm.eval().requires_grad_(False)
+    lm = random_model(cfg, device, dtype, depth)
     return D3DDrafter.from_target(lm, depth, base=f"{SHAPE_PREFIX}{text}", share=True)
 
 

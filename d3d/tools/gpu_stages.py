@@ -26,57 +26,43 @@ Letters: R rows, S cached context, B block (16).
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, DynamicCache
 
 from d3d.backends import choose
+from d3d.backends.clock import Clock
 from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.kv import MIN_CAPACITY
 from d3d.backends.hf import trim_cache
 from d3d.backends.reference import ReferenceBackend
 from d3d.backends.sizes import kv_bytes_per_token
+from d3d.engine.calibration import median_seconds
 from d3d.model.drafter import D3DDrafter
 from d3d.model.memory import param_bytes
 from d3d.model.meta import DrafterMeta
+from d3d.model.shapes import random_model
 from d3d.tools.plan import PlanSettings, make_plan
 from d3d.worker.drafting import draft_branches
 
 BLOCK = 16
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The median time of ``fn`` in ms (one untimed call first), the device synchronised."""
+    """The median time of ``fn`` in ms on the engine's clock for ``device`` (one untimed call
+    first: :func:`d3d.engine.calibration.median_seconds`)."""
     fn()
-    sync(device)
-    times = []
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 4)
+    return round(1e3 * median_seconds(fn, Clock([device]), max(repeats, 1)), 4)
 
 
 def build_model(config: dict, device: torch.device, dtype: torch.dtype, layers: int | None = None):
-    """Random weights of ``config`` (``layers``: that many decoder layers), made on ``device``."""
-    d = {k: v for k, v in config.items() if k != "layer_types"}
-    if layers is not None:
-        d["num_hidden_layers"] = d["max_window_layers"] = layers
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval().requires_grad_(False)
+    """Random weights of ``config`` (``layers``: that many decoder layers), made on ``device``
+    (:func:`d3d.model.shapes.random_model`)."""
+    d = {k: v for k, v in config.items() if k != "layer_types"}  # rebuilt from the depth
+    return random_model(AutoConfig.for_model(d.pop("model_type"), **d), device, dtype, layers)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
