@@ -23,39 +23,18 @@ and KV sizes from here.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
-from d3d.backends.clock import WALL, Clock
+from d3d.backends.reference import ReferenceBackend
 from d3d.backends.target import BatchTarget
 
 NAMES = ("auto", "reference", "cpu", "cuda")
 
-
-class Backend(Protocol):
-    """How the target runs (see the module docstring)."""
-
-    name: str
-
-    def prepare(self, model: nn.Module) -> None:
-        """Ready the target at load (in place: packing, kernels, graphs)."""
-
-    def prepare_drafter(self, model: nn.Module) -> None:
-        """Ready a drafter's language model at load (in place)."""
-
-    def target(
-        self,
-        model: nn.Module,
-        max_kv_tokens: int,
-        clock: Clock = WALL,
-        rows: int = 32,
-        block: int = 16,
-    ) -> BatchTarget:
-        """A step target over a fresh KV of ``max_kv_tokens`` tokens for at most ``rows`` rows
-        at once that verify blocks of ``block`` tokens (the cuda backend's slots and graph
-        widths; the slab KVs take any)."""
+Backend = ReferenceBackend
+"""How the target runs (see the module docstring): ``prepare``, ``prepare_drafter`` and
+``target``, as :class:`~d3d.backends.reference.ReferenceBackend` defines them; the cpu and cuda
+backends extend it."""
 
 
 class BackendError(ValueError):
@@ -72,8 +51,6 @@ def choose(
     if name == "auto":
         name = {"cuda": "cuda", "cpu": "cpu"}.get(kind, "reference")
     if name == "reference":
-        from d3d.backends.reference import ReferenceBackend
-
         return ReferenceBackend()
     if name == "cpu":
         if kind != "cpu":

@@ -17,16 +17,17 @@ from d3d.backends.target import BatchTarget
 
 
 class ReferenceBackend:
-    """See the module docstring. The other backends extend it: where their own path does not
-    fit, they fall back to its :meth:`target`."""
+    """See the module docstring. It is also what a backend is (:data:`d3d.backends.Backend`):
+    the others extend it, and where their own path does not fit they fall back to its
+    :meth:`target`."""
 
     name = "reference"
 
     def prepare(self, model: nn.Module) -> None:
-        """Nothing to prepare."""
+        """Ready the target at load, in place (packing, kernels); nothing here."""
 
     def prepare_drafter(self, model: nn.Module) -> None:
-        """Nothing to prepare."""
+        """Ready a drafter's language model at load, in place; nothing here."""
 
     def target(
         self,
@@ -36,4 +37,7 @@ class ReferenceBackend:
         rows: int = 32,
         block: int = 16,
     ) -> BatchTarget:
+        """A step target over a fresh KV of ``max_kv_tokens`` tokens for at most ``rows`` rows
+        at once that verify blocks of ``block`` tokens (the cuda backend's slots and graph
+        widths; the slab KV takes any)."""
         return BatchTarget(model, RowKV.for_model(model, max_kv_tokens), clock)

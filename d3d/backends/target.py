@@ -87,10 +87,7 @@ class BatchTarget:
         x = torch.tensor([[t for r in ids for t in r]], device=self.device)  # [1, N]
         pos, ragged = self.kv.begin(rows, widths)
         starts = [0, *itertools.accumulate(widths)][:-1]
-        wanted = [
-            list(range(w)) if keep is None or keep[b] is None else list(keep[b])
-            for b, w in enumerate(widths)
-        ]
+        wanted = kept_positions(ids, keep)
         flat = [starts[b] + i for b, w in enumerate(wanted) for i in w]
         kept = torch.tensor(flat or [0], device=self.device)
         if self.fast is not None:
@@ -108,3 +105,13 @@ class BatchTarget:
         self.last_logits = logits
         self.last_seconds = self.clock.now() - t0
         return list(logits.split([len(w) for w in wanted]))
+
+
+def kept_positions(
+    ids: Sequence[Sequence[int]], keep: Sequence[Sequence[int] | None] | None
+) -> list[list[int]]:
+    """Per row, the positions of its new tokens that need logits (``keep``'s, or all of them)."""
+    return [
+        list(range(len(r))) if keep is None or keep[b] is None else list(keep[b])
+        for b, r in enumerate(ids)
+    ]

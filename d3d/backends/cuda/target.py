@@ -33,7 +33,7 @@ from d3d.backends.cuda.forward import StaticForward, StepInputs, attended
 from d3d.backends.cuda.graphs import Eager, Graphs
 from d3d.backends.cuda.kv import StaticKV
 from d3d.backends.slabs import KvRow
-from d3d.backends.target import BatchTarget
+from d3d.backends.target import BatchTarget, kept_positions
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -92,19 +92,14 @@ class CudaTarget(BatchTarget):
             start.record()
         else:
             t0 = self.clock.now()
-        slots = self.kv.slab.rows
+        live = [r.length for r in self.kv.slab.rows]  # every slot's, in the step or not
+        lengths = live + [0] * (bucket - len(live))
         grid = [[0] * width for _ in range(bucket)]
-        lengths = [0] * bucket
+        wanted = kept_positions(ids, keep)
         flat: list[int] = []
-        counts: list[int] = []
-        for s, row in enumerate(slots):
-            lengths[s] = row.length
-        for b, row in enumerate(rows):
-            s, r = row.slot, ids[b]
-            grid[s][: len(r)] = r
-            wanted = range(len(r)) if keep is None or keep[b] is None else keep[b]
-            flat += [s * width + t for t in wanted]
-            counts.append(len(wanted))
+        for row, r, w in zip(rows, ids, wanted, strict=True):
+            grid[row.slot][: len(r)] = r
+            flat += [row.slot * width + t for t in w]
         x = self.inputs.get((bucket, width))
         if x is None:
             x = self.inputs[(bucket, width)] = StepInputs.empty(bucket, width, self.device)
@@ -124,7 +119,7 @@ class CudaTarget(BatchTarget):
             self._events = (start, end)
         else:
             self.last_seconds = self.clock.now() - t0
-        return list(logits.split(counts))
+        return list(logits.split([len(w) for w in wanted]))
 
     def _plan(self, rows: Sequence[KvRow], ids: Sequence[Sequence[int]]) -> tuple[int, int] | None:
         """(T, B) of a decode step, or None for a step that runs eagerly (module docstring)."""
