@@ -24,7 +24,7 @@ import torch
 from d3d.backends import Backend, choose
 from d3d.backends.clock import Clock
 from d3d.backends.kv import default_kv_tokens
-from d3d.config import DEFAULT_BLOCK_SIZE, CacheBudget, DecodeConfig, ModelConfig
+from d3d.config import DEFAULT_BLOCK_SIZE, CacheBudget, DecodeConfig, ModelConfig, SamplingConfig
 from d3d.decoding.lookup import CopyDrafts
 from d3d.decoding.policy import HostCosts
 from d3d.decoding.proposers import ArProposer, Proposer
@@ -283,6 +283,38 @@ class Engine:
         if isinstance(self.drafter, ReplayDrafter):  # the instrument: records ar, checks the rest
             return self.drafter.for_request(req, proposer)
         return proposer
+
+    def record(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+    ) -> list[list[int]]:
+        """Record the target's greedy output after each prompt for the replay instrument
+        (:mod:`d3d.replay`): ``ar`` requests through the scheduler, all together (the replay
+        drafter keeps what they commit). Returns the outputs. Call it from the thread that
+        steps the scheduler."""
+        if not isinstance(self.drafter, ReplayDrafter):
+            raise DrafterError(
+                "recording needs an engine whose drafter is a replay spec (replay:TAU)"
+            )
+        sched = self.scheduler()
+        outs: list[list[int]] = [[] for _ in prompts]
+        errors: list[BaseException] = []
+
+        def done(_stats: DecodeStats, error: BaseException | None) -> None:
+            if error is not None:
+                errors.append(error)
+
+        s = sampling or SamplingConfig()
+        for prompt, out in zip(prompts, outs, strict=True):
+            sched.add(GenRequest(list(prompt), max_new_tokens, s, "ar", on_tokens=out.extend,
+                                 on_finish=done))  # fmt: skip
+        while not sched.idle:
+            sched.step()
+        if errors:
+            raise errors[0]
+        return outs
 
     def _after_step(self, rows: Sequence[Row]) -> None:
         """A step's commits are observed: give the target the cores its next step should have

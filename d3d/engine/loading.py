@@ -52,14 +52,9 @@ def build_drafter(
     no second copy) instead of copies that training may update."""
     if is_replay(spec):  # the measurement instrument (d3d.replay), never a default
         from d3d.replay import build_replay
-        from d3d.replay.shape import is_random
 
-        shape = parse_replay(spec).shape
-        built = None  # a drafter spec shape is built here, the engine's way
-        if shape and is_replay(shape):
-            raise DrafterError(f"a replay's drafter shape cannot be a replay: {spec!r}")
-        if shape and not is_random(shape):
-            built = build_drafter(shape, target, device, share_layers)
+        shape = replay_shape(spec)  # a drafter spec shape is built here, the engine's way
+        built = None if shape is None else build_drafter(shape, target, device, share_layers)
         return build_replay(spec, target, device, shape=built)
     depth = int(target.model.config.num_hidden_layers)
     resolved = resolve_spec(spec, target.spec, depth)
@@ -89,13 +84,33 @@ class DrafterFactory:
         # the embeddings, LM head and final norm; the target's other layers are never read.
         target = load_target_part(
             self.cfg.target,
-            lambda depth: borrowed_layers(self.cfg.drafter, self.cfg.target, depth),
+            lambda depth: drafter_layers(self.cfg.drafter, self.cfg.target, depth),
             device=self.device,
             dtype=self.cfg.dtype,
         )
         drafter = build_drafter(self.cfg.drafter, target, self.device, share_layers=True)
         drafter_backend(self.cfg, self.device).prepare_drafter(drafter.lm)
         return drafter
+
+
+def replay_shape(spec: str) -> str | None:
+    """The drafter spec a replay spec names as its shape, which the engine builds (None: no
+    shape, or a ``shape=CONFIG`` one that the replay builds itself)."""
+    from d3d.replay.shape import is_random
+
+    shape = parse_replay(spec).shape
+    if shape and is_replay(shape):
+        raise DrafterError(f"a replay's drafter shape cannot be a replay: {spec!r}")
+    return shape if shape and not is_random(shape) else None
+
+
+def drafter_layers(spec: str, target_spec: str, depth: int) -> tuple[int, ...]:
+    """The target's layers a drafter of ``spec`` reads (:func:`d3d.model.specs.borrowed_layers`;
+    a replay's, those of the drafter shape it runs, if any)."""
+    if is_replay(spec):
+        shape = replay_shape(spec)
+        return () if shape is None else borrowed_layers(shape, target_spec, depth)
+    return borrowed_layers(spec, target_spec, depth)
 
 
 def drafter_backend(cfg: ModelConfig, device: str | None = None) -> Backend:

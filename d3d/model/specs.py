@@ -18,7 +18,6 @@ from pathlib import Path
 
 from d3d.model.drafter import META_FILE, DrafterError
 from d3d.model.load import DEFAULT_SPECS
-from d3d.replay.spec import is_replay, parse_replay
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 DEFAULT_DRAFTER_DIR = CHECKPOINTS / "smollm2-135m"
@@ -51,11 +50,6 @@ def borrowed_layers(spec: str, target_spec: str, depth: int) -> tuple[int, ...]:
     embeddings and LM head every drafter reads): a ``self:`` spec's, an adapter checkpoint's
     over the target; none for a checkpoint that stores its own layers or was initialised from
     another model (``init``)."""
-    if is_replay(spec):  # the replay instrument reads what its drafter shape reads, if any
-        shape = parse_replay(spec).shape
-        if shape is None or shape.startswith("shape="):
-            return ()
-        return borrowed_layers(shape, target_spec, depth)
     spec = resolve_spec(spec, target_spec, depth)
     layers = self_layers(spec)
     if layers is not None:

@@ -18,7 +18,7 @@ never a default, and every output of a replay run names it as an instrument.
 """
 
 from d3d.replay.book import ReplayBook
-from d3d.replay.drafter import ReplayDrafter, build_replay, record
+from d3d.replay.drafter import ReplayDrafter, build_replay
 from d3d.replay.spec import INSTRUMENT, ReplaySpec, is_replay, parse_replay
 
 __all__ = [
@@ -29,5 +29,4 @@ __all__ = [
     "build_replay",
     "is_replay",
     "parse_replay",
-    "record",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -41,10 +41,17 @@ from d3d.worker.proposer import BatchedLink, WorkerLink
 from d3d.worker.protocol import Open
 from d3d.worker.server import ServerConfig
 
-if TYPE_CHECKING:
-    from d3d.engine.request import GenRequest
-
 MODES = ("sync", "async")
+
+
+class ReplayRequest(Protocol):
+    """What the replay reads of a request (the engine's :class:`~d3d.engine.request.GenRequest`)."""
+
+    mode: str
+    sampling: SamplingConfig
+    prompt_ids: Sequence[int]
+    draft_prompt_ids: Sequence[int] | None
+    stats: DecodeStats | None
 
 
 class ReplayDrafter:
@@ -80,7 +87,7 @@ class ReplayDrafter:
         return f"ReplayDrafter({self.label})"
 
     # ----- per request ------------------------------------------------------------------
-    def for_request(self, req: GenRequest, proposer: Proposer) -> Proposer:
+    def for_request(self, req: ReplayRequest, proposer: Proposer) -> Proposer:
         """The proposer ``req`` runs with (see the module docstring); raises DrafterError with
         the fix for a request the replay cannot serve."""
         if req.mode == "ar":
@@ -106,7 +113,7 @@ class ReplayDrafter:
         return DrafterError(
             f"{self.label} has no recording of this prompt: it replays the target's own greedy "
             "output, which an ar run of the same prompt through this engine records; run it "
-            "in mode ar first (d3d generate does), or call d3d.replay.record(engine, prompts)"
+            "in mode ar first (d3d generate does), or call engine.record(prompts, max_new_tokens)"
         )
 
     # ----- sync: drafting in this process -----------------------------------------------
@@ -209,36 +216,3 @@ def build_replay(
             )
         shape = random_shape(rs.shape, dev, target.model.dtype)
     return ReplayDrafter(rs, target.vocab_size, dev, shape=shape)
-
-
-def record(
-    engine,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-) -> list[list[int]]:
-    """Record the target's greedy output after each prompt: ``ar`` requests through the
-    engine's scheduler, all together (its replay drafter keeps what they commit). Returns the
-    outputs. Call it from the thread that steps the engine's scheduler."""
-    from d3d.engine.request import GenRequest
-
-    if not isinstance(engine.drafter, ReplayDrafter):
-        raise DrafterError("recording needs an engine whose drafter is a replay spec (replay:TAU)")
-    sched = engine.scheduler()
-    outs: list[list[int]] = [[] for _ in prompts]
-    errors: list[BaseException] = []
-
-    def done(_stats: DecodeStats, error: BaseException | None) -> None:
-        if error is not None:
-            errors.append(error)
-
-    for prompt, out in zip(prompts, outs, strict=True):
-        s = sampling or SamplingConfig()
-        sched.add(
-            GenRequest(list(prompt), max_new_tokens, s, "ar", on_tokens=out.extend, on_finish=done)
-        )
-    while not sched.idle:
-        sched.step()
-    if errors:
-        raise errors[0]
-    return outs

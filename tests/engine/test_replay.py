@@ -13,7 +13,7 @@ from d3d.config import DecodeConfig, ModelConfig, SamplingConfig
 from d3d.engine import GenRequest, build_drafter
 from d3d.model.load import LoadedModel
 from d3d.model.meta import DrafterError
-from d3d.replay import ReplayDrafter, record
+from d3d.replay import ReplayDrafter
 from d3d.replay.shape import ShapeForwards
 from tests.conftest import tiny_engine, tiny_model, tiny_tokenizer
 
@@ -75,7 +75,7 @@ def test_the_extremes(tiny_target, spec, tau):
 def test_a_batch_of_mixed_modes_joining_mid_flight_equals_ar(engine, rows):
     prompts = [[(7 * i + j) % 90 + 2 for j in range(3 + (11 * i) % 37)] for i in range(rows)]
     budgets = [30 + (13 * i) % 50 for i in range(rows)]
-    refs = [record(engine, [p], n)[0] for p, n in zip(prompts, budgets, strict=True)]
+    refs = [engine.record([p], n)[0] for p, n in zip(prompts, budgets, strict=True)]
     sched = engine.scheduler()
     modes = ["sync", "async", "ar"]
     out: list[list[int]] = [[] for _ in prompts]
