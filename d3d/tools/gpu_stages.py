@@ -10,8 +10,10 @@
   time).
 - :func:`drafter_rounds`: a drafter's block (16 tokens after a cached context) and its packed
   round of 8 branches (the chain of the draft being verified plus one block per branch, one
-  forward: :func:`d3d.worker.drafting.draft_branches`), for a drafter of the D3D-1.7B shape
-  (Qwen3-1.7B's dimensions, its own layers) and one of the target's first 31 layers.
+  forward through the cuda backend's packed drafter, :mod:`d3d.backends.cuda.drafter`, captured
+  on a GPU; beside it the row-by-row :func:`d3d.worker.drafting.draft_branches`), for a drafter
+  of the D3D-1.7B shape (Qwen3-1.7B's dimensions, its own layers) and one of the target's first
+  31 layers.
 - :func:`captured_equals_eager`: greedy decoding of rows through captured steps against the
   same steps run eagerly (on a CPU: the eager cuda step against the reference backend), token
   for token.
@@ -36,6 +38,7 @@ from transformers import AutoConfig, DynamicCache
 from d3d.backends import choose
 from d3d.backends.clock import Clock
 from d3d.backends.cuda import CudaBackend, CudaTarget
+from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
 from d3d.backends.cuda.kv import MIN_CAPACITY
 from d3d.backends.hf import trim_cache
 from d3d.backends.reference import ReferenceBackend
@@ -145,7 +148,9 @@ def d3d_1_7b_drafter(config: dict, device: torch.device, dtype: torch.dtype) -> 
 
 @torch.inference_mode()
 def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: int = 8) -> dict:
-    """A block and a packed round of ``branches`` branches after ``context`` cached tokens."""
+    """A block and a packed round of ``branches`` branches after ``context`` cached tokens: the
+    round through the cuda backend's packed drafter (:mod:`d3d.backends.cuda.drafter`:
+    captured on a GPU, eager on a CPU) and, for comparison, the row-by-row forward."""
     device = drafter.device
     vocab = drafter.meta.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -155,18 +160,34 @@ def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: in
     chain = ids[:BLOCK]
     s = cache.get_seq_length()
 
-    def packed() -> None:
+    def row_by_row() -> None:
         draft_branches(
             drafter, cache, [s + k for k in range(branches)], chain[:branches], chain=chain
         )
         trim_cache(cache, len(chain))
 
-    return {
+    plan = PackedPlan(graphs=device.type == "cuda", rows=1, kv_tokens=context + 4 * MIN_CAPACITY)
+    packed = PackedDrafter(drafter, plan)
+    row = packed.open(context)
+    none = torch.zeros(1, 0, dtype=torch.long)
+    packed.run([row], [ids], none, none)  # the context, read once
+    visible = torch.tensor([[s + k for k in range(branches)]], device=device)
+    anchors = torch.tensor([chain[:branches]], device=device)
+
+    def packed_round() -> None:
+        packed.run([row], [chain], visible, anchors)
+        row.length = s  # the next round writes its chain over this one's
+
+    out = {
         "layers": len(drafter.meta.layers),
         "block_ms": median_ms(lambda: drafter.block_scores(ids[-1], cache), device, repeats),
-        f"packed_{branches}_branches_ms": median_ms(packed, device, repeats),
+        f"packed_{branches}_branches_ms": median_ms(packed_round, device, repeats),
+        f"row_by_row_{branches}_branches_ms": median_ms(row_by_row, device, repeats),
         "weight_bytes": param_bytes(drafter),
+        "packed_steps": dict(packed.counts),
     }
+    packed.close(row)
+    return out
 
 
 @torch.inference_mode()

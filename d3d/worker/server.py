@@ -58,6 +58,7 @@ class _Session:
     branches: dict[tuple[int, int, int], Prepared] = field(default_factory=dict)
     commits: int = 0
     prepares: bool = True  # False: no branches (``sync``): each block is drafted on its commit
+    row: Any = None  # its slot in a packed drafter's KV (d3d.worker.packed), instead of ``cache``
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,13 @@ class DraftServer(MessageServer):
         for (msg, sess, _, offered), block in zip(misses, drafted, strict=True):
             yield _block(msg, sess, block, offered, hit=False, work_s=self.clock() - t0)
             ready.append((msg.sid, sess, block, msg.next_len))
-        ready = [r for r in ready if r[1].prepares]
+        yield from self._prepare_all([r for r in ready if r[1].prepares])
+
+    def _prepare_all(
+        self, ready: list[tuple[int, _Session, Prepared, int | None]]
+    ) -> Iterator[object]:
+        """Every ready row's branches (sid, session, the block handed out, drafts the target
+        verifies), one row after another, until the next message is waiting."""
         for sid, sess, block, length in ready:
             if self.pending():
                 break
@@ -299,6 +306,16 @@ class DraftServer(MessageServer):
 def server_for(drafter: Any, cfg: ServerConfig | None = None) -> MessageServer:
     """What a worker runs for ``drafter``: a :class:`DraftServer`, unless the drafter brings a
     server of its own (the replay instrument's, :mod:`d3d.replay`), which reads and answers the
-    same messages."""
+    same messages, or the cuda backend readied it for packed drafting
+    (:class:`~d3d.worker.packed.PackedDraftServer`)."""
     own = getattr(drafter, "server", None)
-    return own(cfg) if callable(own) else DraftServer(drafter, cfg)
+    if callable(own):
+        return own(cfg)
+    from d3d.backends.cuda.drafter import plan_of
+
+    plan = plan_of(drafter)
+    if plan is not None:  # the cuda backend's packed drafting (d3d.worker.packed)
+        from d3d.worker.packed import PackedDraftServer
+
+        return PackedDraftServer(drafter, cfg, plan=plan)
+    return DraftServer(drafter, cfg)

@@ -4,6 +4,8 @@
 - :mod:`~d3d.backends.cuda.forward`  the decode step of a Llama-family model over those slots
 - :mod:`~d3d.backends.cuda.graphs`   a graph per (rows, width, keys attended), captured on use
 - :mod:`~d3d.backends.cuda.target`   which steps replay a graph and which run eagerly
+- :mod:`~d3d.backends.cuda.drafter`  the drafter worker's slot KV and packed step (blocks and
+  branches of every row in one forward, captured per shape; :mod:`~d3d.backends.cuda.drafter_step`)
 
 :class:`CudaBackend` builds the step target and proves it at load: a sample of two rows read
 eagerly, then a plain step and a K+1-token verify step through the decode path (captured, on a
@@ -22,6 +24,7 @@ from torch import nn
 
 from d3d.backends import check
 from d3d.backends.clock import WALL, Clock
+from d3d.backends.cuda.drafter import PackedPlan, mark
 from d3d.backends.cuda.forward import unfit
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.backends.cuda.target import BUCKETS, CudaTarget
@@ -50,6 +53,16 @@ class CudaBackend(ReferenceBackend):
         if why:
             log.warning("the cuda backend cannot run %s (%s): the reference runs it",
                         type(model).__name__, why)  # fmt: skip
+
+    def prepare_drafter(self, model: nn.Module) -> None:
+        """Have the drafter worker draft through this backend's packed step
+        (:mod:`d3d.backends.cuda.drafter`), where the drafter's language model fits it."""
+        why = unfit(model)
+        if why:
+            log.warning("the cuda backend cannot run the drafter %s (%s): it drafts row by row",
+                        type(model).__name__, why)  # fmt: skip
+            return
+        mark(model, PackedPlan(graphs=self.graphs))
 
     def target(
         self,

@@ -129,20 +129,38 @@ class StaticForward:
     @torch.inference_mode()
     def __call__(self, x: StepInputs, n: int) -> torch.Tensor:
         """The step's hidden states after the final norm, [B*T, H]; writes the new keys."""
-        b, t = x.ids.shape
-        hq, hkv, d = self.hq, self.hkv, self.d
-        g = hq // hkv
+        t = x.ids.shape[1]
         ids, pos = x.ids.reshape(-1), x.positions.reshape(1, -1)  # [N], [1, N]
-        h = self.inner.embed_tokens(ids)  # [N, H]
-        cos, sin = self.inner.rotary_emb(h[None], pos)  # [1, N, D] each
-        slots = torch.arange(b, device=ids.device).repeat_interleave(t)  # [N]
-        at = pos[0]  # [N]: each new key's position in its slot
-        # query (g, t) of a row sees key j where j <= length + t: [B, 1, G*T, n]
+        # query t of a row sees key j where j <= length + t: [B, T, n]
         keys_at = torch.arange(n, device=ids.device)
         sees = (
             keys_at[None, None, :]
             <= (x.lengths[:, None] + torch.arange(t, device=ids.device))[:, :, None]
-        )  # [B, T, n]
+        )
+        h = self.inner.embed_tokens(ids)  # [N, H]
+        return self.layers_over(h, pos, pos[0], sees, n)
+
+    def layers_over(
+        self,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        at: torch.Tensor,
+        sees: torch.Tensor,
+        n: int,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder layers and final norm over new tokens h [N, H] (N = B*T, row by row):
+        rotary positions ``pos`` [1, N], each new key written at position ``at`` [N] of its
+        row's slot, attention over the first n keys masked by ``sees`` [B, T, n] (True: may
+        attend). ``slots`` [B]: the rows' slots (None: slots 0 .. B-1, read in place; else
+        gathered, an eager step's rows). Returns [N, H]."""
+        b, t = sees.shape[:2]
+        hq, hkv, d = self.hq, self.hkv, self.d
+        g = hq // hkv
+        cos, sin = self.inner.rotary_emb(h[None], pos)  # [1, N, D] each
+        rows = torch.arange(b, device=h.device) if slots is None else slots
+        write = rows.repeat_interleave(t)  # [N]: each new key's slot
+        # query (g, t) of a row: [B, 1, G*T, n]
         mask = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
@@ -153,12 +171,16 @@ class StaticForward:
             if getattr(a, "q_norm", None) is not None:
                 q, k = a.q_norm(q), a.k_norm(k)
             q4, k4 = self.rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-            self.keys[i][slots, :, at] = k4[0].transpose(0, 1)  # [N, Hkv, D] into [S, Hkv, C, D]
-            self.values[i][slots, :, at] = v
+            self.keys[i][write, :, at] = k4[0].transpose(0, 1)  # [N, Hkv, D] into [S, Hkv, C, D]
+            self.values[i][write, :, at] = v
             # [1, Hq, N, D] -> [B, Hkv, G*T, D]: the query heads of a key head, row by row
             qb = q4[0].view(hkv, g, b, t, d).permute(2, 0, 1, 3, 4).reshape(b, hkv, g * t, d)
-            kb = self.keys[i].narrow(0, 0, b).narrow(2, 0, n)  # [B, Hkv, n, D], in place
-            vb = self.values[i].narrow(0, 0, b).narrow(2, 0, n)
+            if slots is None:  # [B, Hkv, n, D], in place
+                kb = self.keys[i].narrow(0, 0, b).narrow(2, 0, n)
+                vb = self.values[i].narrow(0, 0, b).narrow(2, 0, n)
+            else:
+                kb = self.keys[i].narrow(2, 0, n).index_select(0, slots)
+                vb = self.values[i].narrow(2, 0, n).index_select(0, slots)
             o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
             h = h + a.o_proj(o)

@@ -1,8 +1,9 @@
 """CUDA graphs of the decode step, one per shape, captured on first use and replayed after.
 
-A step's shape is (B rows, T tokens a row, n keys attended); its inputs live in one
-:class:`~d3d.backends.cuda.forward.StepInputs` per (B, T), so every graph of that (B, T) reads
-the same addresses. The first step of a shape runs once eagerly on a side stream (cuBLAS and the
+A step's shape is (B rows, T tokens a row, n keys attended) — for any inputs object, the shapes
+of its tensors and n; its inputs live in one :class:`~d3d.backends.cuda.forward.StepInputs` per
+(B, T) (the drafter's: one :class:`~d3d.backends.cuda.drafter.PackedInputs` per rows bucket,
+chain width and branch count), so every graph of that shape reads the same addresses. The first step of a shape runs once eagerly on a side stream (cuBLAS and the
 allocator settle), is captured into a graph that shares one memory pool with every other, and
 is replayed at once, so it computes what an eager step would. The warm-up and the capture write
 the step's new keys exactly where the step itself writes them (after each row's committed
@@ -18,12 +19,16 @@ Letters: B rows, T tokens a row, n keys attended, H hidden.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from d3d.backends.cuda.forward import StepInputs
+Step = Callable[[Any, int], torch.Tensor]  # (inputs, n) -> hidden states [B*T, H]
 
-Step = Callable[[StepInputs, int], torch.Tensor]  # (inputs, n) -> hidden states [B*T, H]
+
+def shape_key(inputs: Any, n: int) -> tuple:
+    """A step's shape: the shapes of its inputs' tensors (a dataclass of tensors) and n."""
+    return (*(tuple(v.shape) for v in vars(inputs).values()), n)
 
 
 class Eager:
@@ -34,25 +39,24 @@ class Eager:
     def __init__(self, step: Step):
         self.step = step
 
-    def run(self, inputs: StepInputs, n: int) -> torch.Tensor:
+    def run(self, inputs: Any, n: int) -> torch.Tensor:
         return self.step(inputs, n)
 
 
 class Graphs:
-    """A CUDA graph per (B, T, n), captured on first use (module docstring)."""
+    """A CUDA graph per shape (:func:`shape_key`), captured on first use (module docstring)."""
 
     def __init__(self, step: Step):
         self.step = step
         self.pool = None  # one memory pool shared by every graph (they never run at once)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def captured(self) -> int:
         return len(self.graphs)
 
-    def run(self, inputs: StepInputs, n: int) -> torch.Tensor:
-        b, t = inputs.ids.shape
-        key = (b, t, n)
+    def run(self, inputs: Any, n: int) -> torch.Tensor:
+        key = shape_key(inputs, n)
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
