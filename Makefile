@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that reverses a string.
 
 .PHONY: setup demo test test-fast lint format bench clean docker-context docker-cpu docker-gpu \
-	docker-gpu-deps
+	docker-gpu-deps docker-lock
 
 setup: $(VENV)/.installed
 
@@ -68,6 +68,11 @@ docker-cpu: docker-context
 
 docker-gpu: docker-context
 	$(DOCKER_BUILD) --build-arg TORCH_GPU_INDEX=$(TORCH_GPU_INDEX) --target gpu -t d3d:gpu .
+
+# The CPU image's Python packages at the versions this venv tests (after a dependency change).
+docker-lock:
+	@{ sed -n '1,3p' docker/lock-runtime.txt; $(BIN)/python docker/requirements.py --freeze pyproject.toml; } \
+	  > docker/lock-runtime.txt.new && mv docker/lock-runtime.txt.new docker/lock-runtime.txt
 
 # The GPU image's packages resolved (no CUDA downloaded): what CI checks.
 docker-gpu-deps: docker-context

@@ -11,10 +11,26 @@ import logging
 
 from d3d.cli import add_model_args, model_config
 
+# Input limits and uvicorn's connection limits: (setting, type, what), defaults ServeSettings';
+# docs/service.md's Limits table names them all.
+LIMIT_FLAGS = (
+    ("max_body_bytes", int, "largest request body in bytes"),
+    ("max_new_tokens", int, "largest max_tokens a request may ask"),
+    ("max_n", int, "most choices (n) a request may ask"),
+    ("max_logprobs", int, "most log-probability alternatives per token"),
+    ("max_stop_sequences", int, "most stop strings per request"),
+    ("max_stop_chars", int, "longest stop string in characters"),
+    ("max_stop_token_ids", int, "most stop_token_ids per request"),
+    ("max_pdf_pages", int, "most pages of an uploaded PDF"),
+    ("max_pdf_chars", int, "most characters of a PDF's text"),
+    ("pdf_timeout", float, "seconds to read a PDF's text"),
+    ("limit_concurrency", int, "open connections before new ones get 503"),
+    ("timeout_keep_alive", float, "seconds an idle keep-alive connection stays open"),
+)
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from app.lifecycle import serve
     from app.main import create_app
     from app.settings import ServeSettings
 
@@ -26,6 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_document_tokens=args.max_document_tokens,
         api_key=args.api_key,
+        api_key_file=args.api_key_file,
+        **{name: getattr(args, name) for name, *_ in LIMIT_FLAGS},
         request_timeout=args.request_timeout,
         served_model_name=args.served_model_name,
         doc_cache_dir=args.doc_cache_dir,
@@ -34,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_floor=args.prefill_floor,
         engine=args.engine,
         vllm_eager=True if args.vllm_eager else None,
+        drain_timeout=args.drain_timeout,
     )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -55,14 +74,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings.max_queue,
         "required" if settings.api_key else "off",
     )
-    uvicorn.run(
+    # SIGTERM drains (new requests 503, running ones get --drain-timeout), then stops.
+    return serve(
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        log_level="info",
-        timeout_graceful_shutdown=5,
+        limit_concurrency=settings.limit_concurrency,
+        timeout_keep_alive=settings.timeout_keep_alive,
     )
-    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +93,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-document-tokens", type=int, default=None, help="largest /qa document (8000)"
     )
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require Authorization: Bearer KEY on /v1/* and /qa (D3D_API_KEY; a flag shows in "
+        "`ps`: prefer --api-key-file or the variable)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (D3D_API_KEY_FILE)",
+    )
+    from app.settings import ServeSettings
+
+    for name, cast, what in LIMIT_FLAGS:
+        flag, var = "--" + name.replace("_", "-"), "D3D_" + name.upper()
+        default = ServeSettings.__dataclass_fields__[name].default
+        p.add_argument(flag, type=cast, default=None, help=f"{what} ({var}, default {default})")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds (300)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument(
@@ -115,6 +151,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--vllm-eager",
         action="store_true",
         help="vLLM without compilation: starts in seconds, decodes slower (D3D_VLLM_EAGER=1)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="after SIGTERM, new requests get 503 and running ones this long to finish before "
+        "the engine stops (D3D_DRAIN_TIMEOUT, default 60)",
     )
     add_model_args(p)
     p.set_defaults(func=cmd_serve)

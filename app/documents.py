@@ -56,10 +56,12 @@ def kept_spans(
 class Documents:
     """Document QA prompts for one engine (see the module docstring)."""
 
-    def __init__(self, engine, cache_dir: str | None = None):
+    def __init__(self, engine, cache_dir: str | None = None, max_disk_bytes: int = 8 << 30):
         self.engine = engine
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # used from the reader thread only
-        cache = DocumentCache(directory=cache_dir) if cache_dir else None
+        cache = (
+            DocumentCache(directory=cache_dir, max_disk_bytes=max_disk_bytes) if cache_dir else None
+        )
         self.qa = DocumentQA(engine, cache=cache, tokenizer=self.tokenizer)
 
     def prepare(

@@ -4,7 +4,9 @@ Every response carries ``X-Request-ID`` (the client's, or a new one); every erro
 ``{"error": {"message", "type", "param", "code"}, "request_id"}`` and every error is logged
 with the request id. Validation errors name the offending field (``param``): 422 for a body that
 does not fit the schema (unknown fields included), 400 for malformed JSON. Anything unexpected is
-a 500 whose body says only "internal error" and the request id.
+a 500 whose body says only "internal error" and the request id, whatever raised it: an
+:class:`ApiError` of status 500 (an engine's failure, e.g. vLLM's exception text) keeps its text
+for the log (:func:`public_message`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.headers = headers or {}
+
+
+def public_message(exc: ApiError) -> str:
+    """What a client may read of ``exc``: a 500's text stays in the log (it may name paths,
+    a library's internals or another request's data)."""
+    return "internal error" if exc.status == 500 else exc.message
 
 
 def request_id(request: Request) -> str:
@@ -81,7 +89,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        return error_response(request, exc.status, exc.message, exc.param, exc.kind, exc.headers)
+        if exc.status == 500:
+            log.error("request %s: %s", request_id(request), exc.message)
+        message = public_message(exc)
+        return error_response(request, exc.status, message, exc.param, exc.kind, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

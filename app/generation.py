@@ -3,7 +3,9 @@
 Routes submit a :class:`~app.worker.Job` and consume it through these helpers, which turn the
 worker's events into text (with stop strings), enforce the per-request timeout (504 before the
 answer starts), and cancel the job whenever the consumer goes away (client disconnect, timeout,
-a stop string): the engine then drops the rows before their next round.
+a stop string): the engine then drops the rows before their next round. A prompt that only
+tokenises (a chat, a completion) is built here on the thread pool before the job is submitted,
+so the engine thread never tokenises while rows wait on its step.
 
 A job has ``n`` rows (choices). :meth:`Run.deltas` yields a :class:`Delta` per choice and event:
 its first tokens (``first``, even when their text is still held back, so a stream's first
@@ -20,10 +22,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from app.errors import ApiError
+from app.prepared import PromptBuilder
 from app.text import TextStream
-from app.worker import EngineWorker, Job, Prepared
+from app.worker import EngineWorker, Job, Models, Prepared, admit, build_prompt
 from d3d.decoding.sampling import TokenLogprob
 
 
@@ -98,6 +102,8 @@ class Run:
 
     async def start(self) -> Prepared:
         """Submit and wait until the prompt is built and queued (errors raise ApiError)."""
+        if not self.job.reads_document:
+            await self._tokenise()
         self.worker.submit(self.job)
         kind, payload = await self._next()
         if kind == "error":
@@ -105,6 +111,18 @@ class Run:
         self.outcome.prepared = payload
         self.outcome.queue_s = self.job.dequeued - self.job.submitted
         return payload
+
+    async def _tokenise(self) -> None:
+        """Build a prompt that only tokenises here, on a thread of the pool: a long chat's
+        tokenising then holds up neither the event loop nor the engine thread (which every
+        decoding row waits on). The worker gets the prompt ready-made."""
+        admit(self.worker)  # 503 at once: no tokenising for a request that cannot queue
+        models = self.worker.models
+        prepared = await run_in_threadpool(_locked_build, self.job, models)
+        if prepared is None:  # build_prompt queued the error
+            _, payload = await self._next()
+            raise payload if isinstance(payload, ApiError) else ApiError(500, "internal error")
+        self.job.prepare = PromptBuilder(lambda _models: prepared)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Every choice's deltas as they become safe to send; ``outcome`` is complete when
@@ -174,3 +192,10 @@ class Run:
                 self.job.cancel()
                 return
             await asyncio.sleep(0.25)
+
+
+def _locked_build(job: Job, models: Models) -> Prepared | None:
+    """The job's prompt, one at a time: the engine's tokenizer is not re-entrant (a fast
+    tokenizer refuses a second caller while one encodes)."""
+    with models.prompt_lock:
+        return build_prompt(job, models)

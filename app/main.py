@@ -2,7 +2,8 @@
 
 ``create_app(settings)`` builds an app whose lifespan starts the engine worker (which loads the
 models in the background, so ``/health`` answers at once and ``/ready`` turns 200 when the models
-are loaded and warmed up) and stops it on shutdown. ``uvicorn --factory app.main:create_app``
+are loaded and warmed up) and stops it on shutdown, after the drain of :mod:`app.lifecycle`
+(SIGTERM: new requests 503, running ones finish). ``uvicorn --factory app.main:create_app``
 builds one from ``D3D_*`` variables.
 """
 
@@ -17,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
 from app import errors
+from app.lifecycle import Admission, Lifecycle
 from app.metrics import Metrics
 from app.middleware import RequestContext
 from app.routes import openai, ops, qa
@@ -60,11 +62,18 @@ def create_app(settings: ServeSettings | None = None, engine_factory=load_engine
     app.state.settings, app.state.metrics, app.state.worker = settings, metrics, worker
     app.state.model_name = model_name(settings)
     app.state.started = int(time.time())
+    app.state.lifecycle = Lifecycle(settings.drain_timeout)
     errors.install(app)
     for router in (ops.router, qa.router, openai.router):
         app.include_router(router)
     app.mount("/static", StaticFiles(directory=ops.STATIC), name="static")
-    app.add_middleware(RequestContext, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(Admission, lifecycle=app.state.lifecycle)  # inside RequestContext
+    app.add_middleware(
+        RequestContext,
+        metrics=metrics,
+        max_body_bytes=settings.max_body_bytes,
+        api_key=settings.api_key,
+    )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

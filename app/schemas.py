@@ -1,6 +1,8 @@
 """Request bodies: pydantic v2 models that refuse unknown fields and name the bad one.
 
-The OpenAI routes take vLLM's and OpenAI's sampling fields (:class:`VllmSampling`: penalties,
+Limits that an operator sets (``max_tokens``, ``n``, logprobs, stop strings and ids) are not
+written here: :mod:`app.limits` checks them against the settings. The OpenAI routes take vLLM's
+and OpenAI's sampling fields (:class:`VllmSampling`: penalties,
 ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``), ``n`` and
 ``logprobs``; every other unknown field is refused with 422 naming it.
 
@@ -72,7 +74,7 @@ class QARequest(Sampling, Compression):
 
     document: str = Field(..., description="the document text")
     question: str = Field(..., min_length=1)
-    max_new_tokens: int = Field(64, ge=1, le=4096)
+    max_new_tokens: int = Field(64, ge=1, description="at most --max-new-tokens")
     stream: bool = False
     return_prompt: bool = Field(False, description="also return the exact prompt the model read")
 
@@ -132,18 +134,15 @@ class VllmSampling(BaseModel):
         return v
 
 
-MAX_N = 32
-
-
 class OpenAIRequest(Sampling, VllmSampling, Compression):
     """Fields common to chat and text completions (extras arrive through ``extra_body``)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=4096)
+    max_tokens: int | None = Field(None, ge=1, description="at most --max-new-tokens")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N, description="independent answers (choices)")
+    n: int = Field(1, ge=1, description="independent answers (choices), at most --max-n")
     user: str | None = None
     document: str | None = Field(None, description="extra: a document to compress and answer from")
 
@@ -153,19 +152,14 @@ class OpenAIRequest(Sampling, VllmSampling, Compression):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return v
-
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, description="at most --max-new-tokens")
     logprobs: bool = Field(False, description="each answer token's log-probability")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="and that many alternatives")
+    top_logprobs: int | None = Field(
+        None, ge=0, description="and that many alternatives, at most --max-logprobs"
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
         description='variables for the chat template, as vLLM takes them: {"enable_thinking": '
@@ -183,7 +177,7 @@ class ChatCompletionRequest(OpenAIRequest):
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str]
     logprobs: int | None = Field(
-        None, ge=0, le=20, description="each token's log-probability and that many alternatives"
+        None, ge=0, description="each token's log-probability and that many alternatives"
     )
 
     @field_validator("prompt")

@@ -31,7 +31,6 @@ import copy
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,68 +40,17 @@ from app.errors import ApiError
 from app.metrics import Metrics
 from app.prepared import Prepared
 from app.settings import ServeSettings
-from app.worker import Job, Models, admit, build_prompt
+from app.vllm_requests import STOP_REASONS, sampling_params, token_logprobs
+from app.worker import Job, Models, admit, build_prompt, check_mode
 from d3d.backends.sizes import kv_bytes_per_token
 from d3d.config import SamplingConfig
-from d3d.decoding.sampling import TokenLogprob
-from d3d.vllm import VLLM_VERSION
+from d3d.model.specs import speculation
+from d3d.vllm import VLLM_VERSION, private
 from d3d.vllm.engine import engine_args, on_vllm_cores, prepare_env, speculative_config
 from d3d.vllm.proposer import worker_cores
-from d3d.vllm.stats import StatsClient
+from d3d.vllm.stats import StatsClient, StatsPoller
 
 log = logging.getLogger("app.vllm")
-
-STOP_REASONS = {"stop": "eos", "length": "length", "abort": "cancelled"}
-
-
-def sampling_params(
-    sampling: SamplingConfig,
-    max_tokens: int,
-    eos: set[int],
-    mode: str,
-    n: int = 1,
-    logprobs: int | None = None,
-):
-    """vLLM's sampling parameters for a job: the same fields with the same meanings (vLLM's),
-    token deltas, no detokenizing (the service decodes text itself), the target's end ids as
-    stop ids unless ``ignore_eos``, the mode for the proposer."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    s = sampling
-    stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos))
-    return SamplingParams(
-        n=n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        min_tokens=s.min_tokens,
-        ignore_eos=s.ignore_eos,
-        seed=s.seed,
-        max_tokens=max_tokens,
-        stop_token_ids=sorted(stops),
-        logprobs=logprobs,
-        detokenize=False,
-        output_kind=RequestOutputKind.DELTA,
-        extra_args={"d3d_mode": mode},
-    )
-
-
-def token_logprobs(out, ids: list[int]) -> list[TokenLogprob]:
-    """vLLM's per-token logprob dicts as the service's :class:`TokenLogprob` (the emitted
-    token's log-probability and the most likely ones, best first)."""
-    result = []
-    for tok, entry in zip(ids, out.logprobs or [], strict=False):
-        top = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda x: -x[1])
-        own = entry.get(tok)
-        result.append(
-            TokenLogprob(tok, own.logprob if own is not None else float("-inf"), tuple(top))
-        )
-    return result
 
 
 class _Abort:
@@ -136,9 +84,12 @@ class VllmWorker:
         self._reader = ThreadPoolExecutor(
             1, thread_name_prefix="d3d-reader", initializer=self._reader_cores
         )
-        sock_dir = tempfile.mkdtemp(prefix="d3d-vllm-")
-        self.stats_path = os.path.join(sock_dir, "stats.sock")
+        # The stats socket and the draft flag: a private folder of this server, gone at stop.
+        self.run_dir = private.make()
+        self.stats_path = os.path.join(self.run_dir, "stats.sock")
         self.stats = StatsClient(self.stats_path)
+        self.poller = StatsPoller(self.stats, tick=self._check_engine)
+        self.on_fatal = None  # called once vLLM's engine is dead (app.lifecycle: exit)
         metrics.watch_worker(self.drafter_worker)
         metrics.add_registry(_vllm_registry)
 
@@ -150,13 +101,19 @@ class VllmWorker:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Close vLLM (its processes, the proposer's worker), the prompt and reader threads,
+        the reading models, and the private folder."""
+        self.poller.stop()
         if self.llm is not None:
             with contextlib.suppress(Exception):
                 self.llm.shutdown()
         self._prompts.shutdown(wait=False, cancel_futures=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
-        with contextlib.suppress(OSError):
-            os.unlink(self.stats_path)
+        if self.engine is not None:
+            with contextlib.suppress(Exception):
+                self.engine.close()
+        self.stats.close()
+        private.remove(self.run_dir)
 
     @property
     def ready(self) -> bool:
@@ -170,7 +127,7 @@ class VllmWorker:
         """The proposer's drafter worker: state, pid, restarts (None: no drafter)."""
         if not self._info.get("drafter"):
             return None
-        totals = self.stats.ask("totals")
+        totals = self.poller.totals  # polled on a thread: never a socket call on the loop
         if not isinstance(totals, dict) or totals.get("worker") is None:
             return {"state": "down", "pid": None, "restarts": 0}
         return totals["worker"]
@@ -183,7 +140,19 @@ class VllmWorker:
             log.exception("loading failed")
             return
         assert self._loop is not None
+        self.poller.start()
         asyncio.run_coroutine_threadsafe(self._warmup(), self._loop)
+
+    def _check_engine(self) -> None:
+        """After each poll: vLLM's engine died (its engine core, its output handler) means no
+        request can be served again in this process: not ready, and the process exits."""
+        llm = self.llm
+        if llm is None or not getattr(llm, "errored", False) or self.state == "failed":
+            return
+        self.state, self.error = "failed", "vLLM's engine died"
+        log.error("vLLM's engine died: the service stops so that its supervisor restarts it")
+        if self.on_fatal is not None:
+            self.on_fatal(self.error)
 
     def _load_models(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -211,7 +180,7 @@ class VllmWorker:
         log.info("vLLM engine arguments: %s", args)
         with on_vllm_cores(cfg):  # vLLM's processes stay off a drafter's own cores
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-        self.models = Models(self.engine, s.doc_cache_dir)
+        self.models = Models(self.engine, s.doc_cache_dir, s.doc_cache_max_bytes)
         self.detokenizer = copy.deepcopy(self.engine.tokenizer)
         self.eos = set(self.engine.target.eos_token_ids)
         vc = self.llm.vllm_config
@@ -227,6 +196,7 @@ class VllmWorker:
             if drafter
             else None,
             "block_size": 16 if drafter else None,
+            **speculation(cfg.drafter, cfg.target).to_dict(),
             "max_kv_tokens": cfg.max_kv_tokens,
             "load_seconds": round(time.perf_counter() - t0, 2),
         }
@@ -272,6 +242,7 @@ class VllmWorker:
 
     def submit(self, job: Job) -> None:
         admit(self)
+        check_mode(self, job.mode)
         self._waiting += 1
         self.metrics.queue_depth.set(self._waiting)
         task = asyncio.get_running_loop().create_task(self._serve(job))
@@ -326,6 +297,10 @@ class VllmWorker:
         except ValueError as exc:  # vLLM refuses the request (e.g. longer than its window)
             job.put("error", ApiError(400, str(exc)))
         except Exception as exc:
+            if self.llm is not None and getattr(self.llm, "errored", False):
+                self._check_engine()
+                job.put("error", ApiError(503, "the engine died", kind="server_error"))
+                return
             log.exception("a request failed on vLLM")
             job.put("error", ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error"))
         finally:

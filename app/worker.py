@@ -17,6 +17,10 @@ independent samples of one prompt, read once through the prefix cache, row i see
 ``seed + i``). Cancelling a job (client gone, timeout) drops its rows before the next step. A request the KV budget can never
 hold is refused with 413 naming the limit; one that does not fit now waits for running rows.
 
+A failure that escapes the engine loop answers the worker's requests 503 at once and restarts
+the loop after a backoff; a thread that ends before :meth:`EngineWorker.stop` fails the worker
+and calls ``on_fatal`` (:mod:`app.watch`, :mod:`app.lifecycle`).
+
 The engine thread shares the interpreter with the event loop (and the reader): every torch op
 lets go of the GIL, and taking it back waits, when another thread holds it, until Python asks
 that thread to hand it on, 5 ms by default. :meth:`EngineWorker.start` shortens that to
@@ -26,21 +30,22 @@ long prompts, where the engine thread sits inside long ops, no change).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
 from app.errors import ApiError
+from app.jobs import Job, Models, admit, build_prompt, check_mode
 from app.metrics import Metrics
 from app.prepared import Prepared
 from app.settings import ServeSettings
-from d3d.config import SamplingConfig
+from app.watch import Restarts, fail_jobs, watched
 from d3d.engine import GenRequest, KvLimitError, PrefillBudget, Scheduler
 
 log = logging.getLogger("app.worker")
@@ -48,106 +53,6 @@ log = logging.getLogger("app.worker")
 SWITCH_S = 0.0005  # the GIL's hand-over interval while the engine runs (module docstring)
 
 __all__ = ["EngineWorker", "Job", "Models", "Prepared", "admit", "build_prompt", "load_engine"]
-
-
-class Models:
-    """What a job's prompt builder may use: the engine, and the document compressors (built on
-    first use, then shared by every request; their tokenizer is their own)."""
-
-    def __init__(self, engine, doc_cache_dir: str | None = None):
-        self.engine = engine
-        self.doc_cache_dir = doc_cache_dir
-        self._documents = None
-        self._lock = threading.Lock()
-
-    @property
-    def documents(self):
-        with self._lock:
-            if self._documents is None:
-                from app.documents import Documents
-
-                self._documents = Documents(self.engine, self.doc_cache_dir)
-            return self._documents
-
-
-class Job:
-    """One request's generation, seen from both threads (events flow worker -> event loop)."""
-
-    def __init__(
-        self,
-        prepare: Callable[[Models], Prepared],
-        max_new_tokens: int,
-        sampling: SamplingConfig,
-        mode: str,
-        n: int = 1,
-        logprobs: int | None = None,
-    ):
-        """``n`` rows of the prompt; ``logprobs``: each token's log-probability and that many
-        alternatives (None: none)."""
-        self.prepare, self.max_new_tokens, self.sampling, self.mode = (
-            prepare,
-            max_new_tokens,
-            sampling,
-            mode,
-        )
-        self.n, self.logprobs = n, logprobs
-        self.reads_document = bool(getattr(prepare, "reads_document", False))
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.submitted = time.perf_counter()
-        self.dequeued = 0.0  # the worker took it (queue time ends, prompt building starts)
-        self.admitted = 0.0  # its prompt joined the engine's waiting list
-        self.reqs: list[GenRequest] = []
-        self.first = False
-        self._cancelled = threading.Event()
-
-    def put(self, kind: str, payload: object) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        for req in self.reqs:
-            req.cancel()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-
-def admit(worker) -> None:
-    """Refuse a new job with 503 unless ``worker`` (either engine's) is ready and its queue has
-    room (``Retry-After`` says when to try again)."""
-    if worker.state == "failed":
-        raise ApiError(503, f"the model failed to load: {worker.error}", kind="server_error")
-    if not worker.ready:
-        raise ApiError(
-            503, "the model is still loading", kind="server_busy", headers={"Retry-After": "5"}
-        )
-    limit = worker.settings.max_queue
-    if worker.queue_depth >= limit:
-        worker.metrics.rejected.inc()
-        raise ApiError(
-            503,
-            f"the queue is full ({limit} requests waiting): retry later",
-            kind="server_busy",
-            headers={"Retry-After": "1"},
-        )
-
-
-def build_prompt(job: Job, models: Models) -> Prepared | None:
-    """The job's prompt, or None after telling the client why not (or it left)."""
-    if job.cancelled:
-        return None
-    try:
-        return job.prepare(models)
-    except ApiError as exc:
-        job.put("error", exc)
-    except ValueError as exc:
-        job.put("error", ApiError(400, str(exc)))
-    except Exception as exc:
-        log.exception("preparing a request failed")
-        job.put("error", exc)
-    return None
 
 
 def load_engine(settings: ServeSettings):
@@ -181,6 +86,9 @@ class EngineWorker:
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # made in start(): apps get pickled (Ray)
         self._reader: threading.Thread | None = None
+        self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()  # submitted, not yet collected
+        self.restarts = Restarts()
+        self.on_fatal: Callable[[str], None] | None = None  # app.lifecycle: drain and exit
         metrics.watch_worker(self.drafter_worker)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -190,22 +98,38 @@ class EngineWorker:
         with self._start_lock:
             if self._thread is None:
                 sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))
-                self._thread = threading.Thread(target=self._run, name="d3d-engine", daemon=True)
+                run, read = (
+                    watched(t, self._stop.is_set, self._fatal) for t in (self._run, self._read)
+                )
+                self._thread = threading.Thread(target=run, name="d3d-engine", daemon=True)
                 self._thread.start()
-                self._reader = threading.Thread(target=self._read, name="d3d-reader", daemon=True)
+                self._reader = threading.Thread(target=read, name="d3d-reader", daemon=True)
                 self._reader.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop both threads, then close the engine (its drafter worker process with it)."""
         self._stop.set()
         self._reading.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
         if self._reader is not None:
             self._reader.join(timeout)
+        if self.engine is not None and not (self._thread and self._thread.is_alive()):
+            self.engine.close()
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        threads = (self._thread, self._reader)
+        return self.state == "ready" and all(t is not None and t.is_alive() for t in threads)
+
+    def _fatal(self, why: str) -> None:
+        """A thread ended before stop() (:mod:`app.watch`): failed for good, and exit."""
+        if self.state == "failed":  # the models failed to load: reported, nothing admitted
+            return
+        self.state, self.error = "failed", why
+        fail_jobs(list(self._jobs), self.error)
+        if self.on_fatal is not None:
+            self.on_fatal(self.error)
 
     def drafter_worker(self) -> dict | None:
         """The drafter worker's state, pid and restarts (None: the engine has none)."""
@@ -220,17 +144,34 @@ class EngineWorker:
             log.error("model loading failed: %s", self.error)
             return
         while not self._stop.is_set():
-            self._take(block=self.batch.idle)
-            if not self.batch.idle:
-                self.batch.step()
+            try:
+                self._take(block=self.batch.idle)
+                if not self.batch.idle:
+                    self.batch.step()
+            except Exception as exc:  # the loop restarts; its requests are answered 503
+                self._restart(exc)
             self.metrics.queue_depth.set(self.queue_depth)
             self.metrics.running.set(len(self.batch.rows))
             self.metrics.kv_in_use.set(self.batch.kv.reserved)
 
+    def _restart(self, exc: Exception) -> None:
+        """After a failure outside the scheduler's own guard: not ready, fail and cancel every
+        request (their rows leave at the next step), wait out the backoff, serve again; the
+        failure that repeats too often (:class:`~app.watch.Restarts`) ends the thread."""
+        log.exception("the engine loop failed: restarting it")
+        self.state, self.error = "restarting", f"{type(exc).__name__}: {exc}"
+        fail_jobs(list(self._jobs), f"the engine restarted after {self.error}")
+        delay = self.restarts.next_delay()
+        if delay is None:
+            raise RuntimeError(f"the engine loop failed {self.restarts.count} times") from exc
+        self._stop.wait(delay)
+        self.state = "ready"
+        log.info("the engine loop serves again (restart %d)", self.restarts.count)
+
     def _load(self) -> None:
         t0 = time.perf_counter()
         engine = self.engine = self.engine_factory(self.settings)
-        self.models = Models(engine, self.settings.doc_cache_dir)
+        self.models = Models(engine, self.settings.doc_cache_dir, self.settings.doc_cache_max_bytes)
         # The event loop decodes text with its own copy: a Rust tokenizer borrowed by the worker
         # thread (encoding) cannot be used from another thread at the same moment.
         self.detokenizer = copy.deepcopy(engine.tokenizer)
@@ -253,6 +194,7 @@ class EngineWorker:
             "vocab_size": engine.target.vocab_size,
             "drafter": None if drafter is None else self.settings.model.drafter,
             "drafter_device": None if drafter is None else str(drafter.device),
+            **engine.speculation.to_dict(),
             "block_size": self.batch.block_size,
             "max_kv_tokens": kv.max_tokens,
             "kv_bytes_per_token": kv.bytes_per_token,
@@ -309,7 +251,9 @@ class EngineWorker:
 
     def submit(self, job: Job) -> None:
         admit(self)
+        check_mode(self, job.mode)
         self._count(+1)
+        self._jobs.add(job)
         self._inbox.put(("job", job))
 
     def _count(self, n: int) -> None:
@@ -352,11 +296,16 @@ class EngineWorker:
             job = self._reading.get()
             if job is None:
                 return
-            if not spared:  # jobs arrive only once the engine is loaded
-                self.engine.spare_thread()
-                spared = True
-            with self.engine.reading():
-                prepared = self._prepare(job)
+            try:
+                if not spared:  # jobs arrive only once the engine is loaded
+                    self.engine.spare_thread()
+                    spared = True
+                with self.engine.reading():
+                    prepared = self._prepare(job)
+            except Exception as exc:  # this job fails with 503; the reader goes on
+                log.exception("reading a document failed")
+                fail_jobs([job], f"reading the document failed: {type(exc).__name__}")
+                prepared = None
             if prepared is None:
                 self._count(-1)
             else:

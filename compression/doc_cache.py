@@ -12,7 +12,10 @@ prompt, which drafting can start from (``drafter_cache``).
 optional disk tier (``directory``): every reading put in memory is also written there (one
 file per key, written beside the work in a thread and renamed into place, so a reader never
 sees half a file), a memory miss looks there before reading the document again, and the
-directory is kept under ``max_disk_bytes`` by dropping the least recently used files. The disk
+directory is kept under ``max_disk_bytes`` by dropping the least recently used files. The files
+hold a document's token ids: the folder is made (or narrowed to) mode 0700 and every file 0600,
+created new (``O_EXCL``, no symlink followed); a write that fails removes its temporary file, and
+opening the cache removes those a killed writer left (their process is gone). The disk
 tier lets a later process (the next ``d3d qa``, a restarted service) skip the reading; keys
 name the reader's weights, not the process, so a file is only ever read back by the same reader.
 
@@ -124,7 +127,19 @@ class DocumentCache(BoundedLru[DocumentReading]):
         self.disk_hits = 0
         self._writes: list[threading.Thread] = []
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.directory.stat().st_uid == os.getuid():
+                self.directory.chmod(0o700)  # token ids: this user's alone
+            self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        """Temporary files of writers that were killed (``KEY.PID.TID.tmp``, PID gone)."""
+        assert self.directory is not None
+        for p in self.directory.glob("*.tmp"):
+            parts = p.name.split(".")
+            pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
+            if pid is None or not _alive(pid):
+                p.unlink(missing_ok=True)
 
     def _path(self, key: str) -> Path:
         assert self.directory is not None
@@ -171,10 +186,16 @@ class DocumentCache(BoundedLru[DocumentReading]):
         path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            torch.save(state, tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            log.warning("could not write the document cache file %s", path, exc_info=True)
+            return
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(state, f)
             os.replace(tmp, path)
             self._trim()
-        except OSError:
+        except Exception:  # a full disk, a bad tensor: no file, and no temporary file left
             log.warning("could not write the document cache file %s", path, exc_info=True)
             tmp.unlink(missing_ok=True)
 
@@ -206,3 +227,13 @@ class DocumentCache(BoundedLru[DocumentReading]):
         if self.directory is not None:
             out["disk_hits"] = self.disk_hits
         return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

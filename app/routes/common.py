@@ -1,34 +1,17 @@
-"""Helpers every generating route shares: auth, the job's decode settings, SSE framing."""
+"""Helpers every generating route shares: the job's decode settings, SSE framing, error events.
+
+(The API key is checked before a route runs: :mod:`app.auth`, :mod:`app.middleware`.)"""
 
 from __future__ import annotations
 
 import json
-import secrets
 
-from fastapi import Request
-
-from app.errors import ApiError
+from app.errors import ApiError, public_message
 from app.schemas import Sampling, VllmSampling
 from d3d.config import SamplingConfig
 
 TIMING_KEYS = ("prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds")
 NOT_SPECULATIVE = ("prompt_tokens", "num_tokens", "tokens_per_second", "stop_reason", *TIMING_KEYS)
-
-
-def require_key(request: Request) -> None:
-    """401 unless the bearer token matches ``--api-key`` (when one is set)."""
-    key = request.app.state.settings.api_key
-    if not key:
-        return
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
-        raise ApiError(
-            401,
-            "missing or wrong API key (send Authorization: Bearer <key>)",
-            kind="authentication_error",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
 
 
 def sampling(body: Sampling) -> SamplingConfig:
@@ -68,7 +51,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def error_payload(exc: BaseException, request_id: str) -> dict:
     if isinstance(exc, ApiError):
-        err = {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}
+        message = public_message(exc)
+        err = {"message": message, "type": exc.kind, "param": exc.param, "code": exc.status}
     else:
         err = {"message": "internal error", "type": "server_error", "param": None, "code": 500}
     return {"error": err, "request_id": request_id}

@@ -11,6 +11,10 @@ system message, which is then taken as the document), the request is answered li
 the document compressed for the last user message (or the prompt), in the QA template.
 Non-streaming responses carry the decode statistics under ``speculative`` (vLLM names).
 
+Every route needs the API key when one is set, checked before the body is read
+(:mod:`app.middleware`); a request's caps (``max_tokens``, ``n``, logprobs, stop strings and
+ids) are the settings' (:mod:`app.limits`), checked before anything is queued.
+
 Chat prompts are non-thinking by default; ``chat_template_kwargs`` (as vLLM takes them, e.g.
 ``{"enable_thinking": true}``) reach the chat template. For a model with think tags (Qwen3) the
 thinking comes apart from the answer as ``message.reasoning_content`` / streaming
@@ -24,17 +28,18 @@ import logging
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from app import prompts, reasoning
 from app.errors import ApiError, request_id
 from app.generation import Outcome, Run
+from app.limits import check_generation, check_max_tokens, check_stops
 from app.routes.common import (
     SSE_DONE,
     SSE_HEADERS,
     error_payload,
-    require_key,
     sampling,
     speculative_view,
     sse,
@@ -89,12 +94,28 @@ def _logprobs(body: OpenAIRequest, chat: bool) -> int | None:
     return getattr(body, "logprobs", None)
 
 
-def _check_sampling(request: Request, body: OpenAIRequest, max_tokens: int) -> None:
+def _check_sampling(
+    request: Request, body: OpenAIRequest, max_tokens: int, top: int | None, chat: bool
+) -> None:
+    """The request's caps (:mod:`app.limits`) and the values that depend on each other."""
+    settings, info = request.app.state.settings, request.app.state.worker.model_info or {}
+    field = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens:
+        field = "max_completion_tokens"
+    check_max_tokens(settings, field, max_tokens, info.get("window"))
+    check_stops(settings, body.stops)
+    check_generation(
+        settings,
+        n=body.n,
+        logprobs=top,
+        logprobs_field="top_logprobs" if chat else "logprobs",
+        stop_token_ids=body.stop_token_ids or (),
+    )
     if body.min_tokens > max_tokens:
         raise ApiError(
             422, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens"
         )
-    vocab = (request.app.state.worker.model_info or {}).get("vocab_size")
+    vocab = info.get("vocab_size")
     if vocab and any(t >= vocab for t in body.stop_token_ids or ()):
         raise ApiError(422, f"stop_token_ids: ids must be < {vocab}", "stop_token_ids")
 
@@ -102,8 +123,8 @@ def _check_sampling(request: Request, body: OpenAIRequest, max_tokens: int) -> N
 async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int | None, chat: bool):
     state = request.app.state
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS
-    _check_sampling(request, body, max_tokens)
     top = _logprobs(body, chat)
+    _check_sampling(request, body, max_tokens, top, chat)
     cfg = sampling(body)
     job = Job(prepare, max_tokens, cfg, body.speculative.mode, n=body.n, logprobs=top)
     timeout = state.settings.request_timeout
@@ -125,7 +146,7 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
             "object": obj,
             "created": created,
             "model": model,
-            "choices": shape.choices(out.choices),
+            "choices": await run_in_threadpool(shape.choices, out.choices),
             "usage": _usage(out),
             "speculative": speculative_view(out.stats),
         }
@@ -140,7 +161,13 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
     async def events():
         try:
             async for delta in run.deltas():
-                for choice in shape.chunks(delta):
+                # Log-probabilities spell every alternative: rendered off the event loop.
+                chunks = (
+                    await run_in_threadpool(shape.chunks, delta)
+                    if delta.logprobs
+                    else shape.chunks(delta)
+                )
+                for choice in chunks:
                     yield sse(
                         {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
                     )
@@ -159,7 +186,7 @@ def _usage(out: Outcome) -> dict:
     return usage({**out.stats, "num_tokens": out.completion_tokens})
 
 
-@router.post("/chat/completions", dependencies=[Depends(require_key)])
+@router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completions (see the module docstring)."""
     check_model(request, body.model)
@@ -174,7 +201,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await _run(request, body, prepare, body.max_completion_tokens or body.max_tokens, True)
 
 
-@router.post("/completions", dependencies=[Depends(require_key)])
+@router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completions (see the module docstring)."""
     check_model(request, body.model)
@@ -182,7 +209,7 @@ async def completions(body: CompletionRequest, request: Request):
     return await _run(request, body, prepare, body.max_tokens, False)
 
 
-@router.get("/models", dependencies=[Depends(require_key)])
+@router.get("/models")
 async def models(request: Request):
     state = request.app.state
     return {

@@ -9,7 +9,10 @@ first token by it. Thinking comes apart from the answer per choice (:mod:`app.re
 Logprobs (:class:`~d3d.decoding.sampling.TokenLogprob`: of the target's processed distribution,
 see :func:`~d3d.decoding.sampling.log_distribution`) take OpenAI's two shapes: chat
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``, completions
-``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``.
+``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``. Spelling
+every alternative is the costly part (up to ``n x max_tokens x (1 + top)`` tokens): each token is
+decoded once per response, and the routes call a :class:`Shape` that renders logprobs on the
+thread pool, off the event loop.
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ class Shape:
         self.chat, self.tokenizer, self.logprobs = chat, tokenizer, logprobs
         self.splitters = list(splitters)
         self.offsets = [0] * len(self.splitters)  # completions: text offset of the next token
+        self.spelt: dict[int, str] = {}  # alternatives repeat: each token is decoded once
 
     # -- logprobs ----------------------------------------------------------------------------
     def _spell(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        if (text := self.spelt.get(token)) is None:
+            text = self.spelt[token] = self.tokenizer.decode([token])
+        return text
 
     def _logprobs(self, i: int, lps: Sequence[TokenLogprob]) -> dict | None:
         if not self.logprobs:

@@ -8,6 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.auth import authorized
+
 router = APIRouter(tags=["ops"])
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -20,8 +22,13 @@ async def health():
 
 @router.get("/ready")
 async def ready(request: Request):
-    """Readiness: models loaded and a tiny generation done (503 until then)."""
+    """Readiness: models loaded and a tiny generation done (503 until then). With an API key
+    set, a caller without it sees the state only (model paths, the drafter worker's pid and a
+    load error's text stay in the log)."""
     worker = request.app.state.worker
+    if not authorized(request.headers.get("authorization", ""), request.app.state.settings.api_key):
+        code, retry = (200, {}) if worker.ready else (503, {"Retry-After": "5"})
+        return JSONResponse({"status": worker.state}, status_code=code, headers=retry)
     if worker.ready:
         return {
             "status": "ready",

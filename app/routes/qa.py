@@ -11,11 +11,10 @@ chat template included; non-thinking for Qwen3).
 
 from __future__ import annotations
 
-import io
 import logging
 import uuid
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
@@ -23,17 +22,19 @@ from pydantic import ValidationError
 from app import prompts
 from app.errors import ApiError, request_id
 from app.generation import Outcome, Run
+from app.limits import check_max_tokens
+from app.pdf import pdf_text
 from app.routes.common import (
     SSE_DONE,
     SSE_HEADERS,
     error_payload,
-    require_key,
     sampling,
     speculative_view,
     sse,
     usage,
 )
 from app.schemas import SEED_MAX, SEED_MIN, QARequest
+from app.settings import ServeSettings
 from app.worker import Job
 
 log = logging.getLogger("app.qa")
@@ -41,24 +42,13 @@ router = APIRouter()
 UPLOAD_TYPES = (".txt", ".md", ".markdown", ".pdf")
 
 
-def _pdf_text(data: bytes) -> str:
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
-
-    try:
-        reader = PdfReader(io.BytesIO(data))
-        return "\n\n".join(page.extract_text() or "" for page in reader.pages)
-    except (PdfReadError, ValueError, KeyError, TypeError) as exc:
-        raise ApiError(422, f"the PDF file cannot be read: {exc}", "file") from exc
-
-
-async def _upload_text(upload) -> str:
+async def _upload_text(upload, settings: ServeSettings) -> str:
     name = (getattr(upload, "filename", "") or "").lower()
     if not name.endswith(UPLOAD_TYPES):
         raise ApiError(415, f"file {name!r}: upload .txt, .md or .pdf", "file")
     data = await upload.read()
     if name.endswith(".pdf"):
-        return _pdf_text(data)
+        return await pdf_text(data, settings)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -71,7 +61,8 @@ def _invalid(exc: ValidationError) -> RequestValidationError:
 
 
 async def parse(request: Request) -> QARequest:
-    """JSON or multipart into a validated :class:`QARequest` (422 naming the field)."""
+    """JSON or multipart into a validated :class:`QARequest` (422 naming the field); a PDF's
+    text is read off the event loop, within its limits (:mod:`app.pdf`)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     try:
         if ctype == "multipart/form-data":
@@ -81,7 +72,7 @@ async def parse(request: Request) -> QARequest:
             if files:
                 if "document" in fields:
                     raise ApiError(422, "send the document as a file or a field, not both", "file")
-                fields["document"] = await _upload_text(files[0])
+                fields["document"] = await _upload_text(files[0], request.app.state.settings)
             if "speculative" in fields:
                 fields["speculative"] = {"mode": fields.pop("speculative")}
             return QARequest.model_validate(fields)
@@ -137,7 +128,7 @@ OPENAPI = {
                         "question": {"type": "string", "minLength": 1},
                         "keep_ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                         "scorer": {"type": "string"},
-                        "max_new_tokens": {"type": "integer", "minimum": 1, "maximum": 4096},
+                        "max_new_tokens": {"type": "integer", "minimum": 1},
                         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
                         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                         "seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX},
@@ -152,12 +143,15 @@ OPENAPI = {
 }
 
 
-@router.post("/qa", dependencies=[Depends(require_key)], openapi_extra=OPENAPI, tags=["qa"])
+@router.post("/qa", openapi_extra=OPENAPI, tags=["qa"])
 async def qa(request: Request):
-    """Answer a question about a document (see the module docstring)."""
+    """Answer a question about a document (see the module docstring); the API key is checked
+    before the body is read (:mod:`app.middleware`)."""
     body = await parse(request)
     state = request.app.state
     settings = state.settings
+    window = (state.worker.model_info or {}).get("window")
+    check_max_tokens(settings, "max_new_tokens", body.max_new_tokens, window)
     job = Job(
         prompts.qa(
             body.document,

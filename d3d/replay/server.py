@@ -39,7 +39,7 @@ from d3d.replay.schedule import Planned, Replay, decoys
 from d3d.replay.shape import ShapeForwards
 from d3d.replay.spec import ReplaySpec
 from d3d.worker.budget import BranchBudget
-from d3d.worker.protocol import Block, Commit, Open
+from d3d.worker.protocol import CODEC, Block, Commit, Open
 from d3d.worker.server import MessageServer, ServerConfig
 
 
@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 Key = tuple[int, int, int]  # (committed length, k accepted, the target's token r)
 
 
+@CODEC.register  # it crosses to a worker process like any Open
 @dataclass(frozen=True)
 class ReplayOpen(Open):
     """An :class:`~d3d.worker.protocol.Open` with the recorded output after ``prompt_ids``."""

@@ -243,7 +243,7 @@ def save_state(rep: Replicas, opt, sched, step: int, out: Path) -> None:
 
 def _resume_weights(drafter: D3DDrafter, last: Path) -> dict:
     """Load ``last``'s weights into the drafter (before any sharding); its trainer state."""
-    state = torch.load(last / TRAINER_FILE, map_location="cpu")
+    state = torch.load(last / TRAINER_FILE, map_location="cpu", weights_only=True)
     weights = load_file(str(last / WEIGHTS_FILE), device=str(drafter.device))
     _, unexpected = drafter.load_state_dict(weights, strict=False)
     if unexpected:

@@ -11,13 +11,16 @@ from multiprocessing.connection import Connection
 
 
 def main(argv: list[str]) -> int:
-    from d3d.worker.workers import child_main
+    from d3d.worker.workers import child_main, recv
 
     conn = Connection(int(argv[0]))
     try:
-        start = conn.recv()
-    except EOFError:
+        start = recv(conn, start=True)  # the parent's instruction: msgpack, never pickle
+    except (EOFError, OSError):
         return 0
+    except ValueError as exc:
+        print(f"d3d.worker.child: {exc}", file=sys.stderr)
+        return 2
     child_main(conn, start)
     return 0
 

@@ -2,8 +2,9 @@
 
 Only token ids cross, plus, when sampling, each block's proposal distribution q as a sparse
 top-M table over target token ids (never a full-vocabulary tensor). Every message is a small
-frozen dataclass that pickles cheaply, so the same objects travel over a thread queue, a pipe
-to another process, or a test's fake link.
+frozen dataclass of plain data, so the same objects travel over a thread queue, a test's fake
+link, or a socket to another process, where :data:`CODEC` writes them as msgpack tagged by type
+(:mod:`d3d.worker.codec`: only these classes are ever built from bytes; never pickle).
 
 Target -> worker: :class:`Open` (a request's drafter prompt), :class:`Commit` (the tokens a
 round committed, and how much of a block the next round wants) or :class:`Commits` (one step's
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from d3d.config import SamplingConfig
+from d3d.worker.codec import Codec
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,7 @@ class Block:
     work_s: float
     q_ids: np.ndarray | None = None
     q_probs: np.ndarray | None = None
+
+
+MESSAGES = (Open, Commit, Commits, Close, Stop, Beat, Ready, Failed, Block, SamplingConfig)
+CODEC = Codec(MESSAGES)  # the bytes of every message between processes

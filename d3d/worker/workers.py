@@ -12,9 +12,10 @@ an engine. Two transports share that client:
   d3d.worker.child``, started with :mod:`subprocess` over a socket pair, so that a host that may
   not fork multiprocessing children, such as vLLM's model-runner daemon, can start it too),
   pinned to its own CPU cores with its own torch thread count (``cpu:1``) or on its own GPU. The
-  child builds its drafter from a picklable factory (model specs, never tensors), only messages
-  cross the socket, and a thread of the child sends a :class:`~d3d.worker.protocol.Beat` every
-  ``beat_s`` whether the drafter is busy or not.
+  child builds its drafter from a factory of plain fields (model specs, never tensors), only
+  messages cross the socket, as msgpack tagged by type (:mod:`d3d.worker.codec`; never pickle:
+  what the parent reads can build nothing but a reply), and a thread of the child sends a
+  :class:`~d3d.worker.protocol.Beat` every ``beat_s`` whether the drafter is busy or not.
 
 A worker that dies (its socket closes), stops beating, answers with something that is not a
 message, or stops answering is the requests' problem only in that they lose speculation:
@@ -40,10 +41,12 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from d3d.worker.protocol import Beat, Block, Failed, Ready, Stop
+from d3d.worker.protocol import CODEC, Beat, Block, Failed, Ready, Stop
 from d3d.worker.server import MessageServer, ServerConfig, server_for
 
 log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 256 * 1024 * 1024  # bytes; a longer frame is no message (the reader gives up)
 
 
 def pin_process(
@@ -246,7 +249,7 @@ def child_main(conn: Connection, start: ChildStart) -> None:
 
     def put(msg: object) -> None:
         with lock:
-            conn.send(msg)
+            send(conn, msg)
 
     try:
         pin_process(start.cores, start.threads)
@@ -266,12 +269,24 @@ def child_main(conn: Connection, start: ChildStart) -> None:
         }
         put(Ready(info))
         threading.Thread(target=_beat, args=(put, start.beat_s), daemon=True).start()
-        serve(server, conn.recv, put, conn.poll)
+        serve(server, lambda: recv(conn), put, conn.poll)
     except (EOFError, OSError, KeyboardInterrupt):
         pass
+    except ValueError as exc:  # a message that is none: the parent cannot be understood
+        log.error("drafter worker: %s", exc)
     except Exception as exc:  # reported once; the parent goes on without speculation
         with contextlib.suppress(OSError):
             put(Failed(None, f"{type(exc).__name__}: {exc}"))
+
+
+def send(conn: Connection, msg: object, start: bool = False) -> None:
+    """Write one message to ``conn`` (:data:`~d3d.worker.protocol.CODEC`'s bytes)."""
+    conn.send_bytes(CODEC.encode(msg, start=start))
+
+
+def recv(conn: Connection, start: bool = False) -> object:
+    """Read one message from ``conn``; ValueError for bytes that are none (never unpickled)."""
+    return CODEC.decode(conn.recv_bytes(MAX_MESSAGE), start=start)
 
 
 def _beat(put: Callable[[object], None], every: float) -> None:
@@ -307,8 +322,8 @@ class ProcessWorker(WorkerClient):
         )
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._conn.send(ChildStart(factory, cores, threads, cfg, beat_s, nice))
-        super().__init__(self._conn.send, self._conn.recv)
+        send(self._conn, ChildStart(factory, cores, threads, cfg, beat_s, nice), start=True)
+        super().__init__(lambda m: send(self._conn, m), lambda: recv(self._conn))
 
     @property
     def alive(self) -> bool:

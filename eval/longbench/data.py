@@ -117,12 +117,14 @@ def load_local(folder: Path, datasets: Sequence[str] | None = None) -> list[Item
 
 
 def load_hub(datasets: Sequence[str]) -> list[Item]:
-    """Items from ``THUDM/LongBench`` through ``datasets`` (raises when unreachable)."""
+    """Items from ``THUDM/LongBench`` through ``datasets`` (raises when unreachable). No code of
+    the dataset's repository runs (no ``trust_remote_code``: ``datasets`` >= 4 reads only data
+    files); a hub copy that needs its loading script raises, and ``auto`` reads the local rows."""
     from datasets import load_dataset
 
     items: list[Item] = []
     for name in datasets:
-        rows = load_dataset(HUB_ID, name, split="test", trust_remote_code=True)
+        rows = load_dataset(HUB_ID, name, split="test")
         items.extend(Item.from_record(dict(r)) for r in rows)
     return items
 

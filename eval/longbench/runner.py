@@ -177,7 +177,7 @@ class Sweep:
             self.out / "scores" / (hashlib.sha1(f"{item.id}|{scorer}".encode()).hexdigest() + ".pt")
         )
         if path.is_file():
-            saved = torch.load(path)
+            saved = torch.load(path, weights_only=True)  # tensors, numbers, lists only
             got = ContextScores(
                 saved["scores"], saved["seconds"], tuple(Chunk(*u) for u in saved["units"])
             )

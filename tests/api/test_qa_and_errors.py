@@ -10,6 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.api.pdfs import text_pdf
+
 pytestmark = pytest.mark.slow
 
 DOC = (
@@ -19,28 +21,6 @@ DOC = (
 )
 Q = "When was the Eiffel Tower completed?"
 BASE = {"document": DOC, "question": Q, "max_new_tokens": 6, "scorer": "bm25", "keep_ratio": 0.5}
-
-
-def tiny_pdf(text: str) -> bytes:
-    """A one-page PDF with ``text`` in Helvetica, built by hand (offsets computed)."""
-    stream = f"BT /F1 11 Tf 40 750 Td ({text}) Tj ET".encode()
-    objs = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-        b"/Resources << /Font << /F1 5 0 R >> >> >>",
-        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
-    return bytes(out)
 
 
 def check_spans(body: dict, document: str) -> None:
@@ -66,7 +46,7 @@ def test_qa_json(live):
 
 @pytest.mark.parametrize("name", ["doc.txt", "doc.md", "doc.pdf"])
 def test_qa_multipart(live, name):
-    data = tiny_pdf(DOC) if name.endswith(".pdf") else DOC.encode()
+    data = text_pdf(DOC) if name.endswith(".pdf") else DOC.encode()
     fields = {k: str(v) for k, v in BASE.items() if k != "document"}
     r = httpx.post(live.url + "/qa", data=fields, files={"file": (name, data)}, timeout=300)
     assert r.status_code == 200, r.text
