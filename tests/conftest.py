@@ -169,10 +169,11 @@ def qwen3_tokenizer_files() -> Path:
 
 
 def qwen3_like(
-    seed: int = 0, layers: int = 2, hidden: int = 64, tie: bool = False
+    seed: int = 0, layers: int = 2, hidden: int = 64, tie: bool = False, head_dim: int = 16
 ) -> PreTrainedModel:
     """A random-weight Qwen3 with Qwen3-8B's vocabulary, ids, untied head and RoPE base
-    (``tie``: a tied head, as the small Qwen3 models have)."""
+    (``tie``: a tied head, as the small Qwen3 models have; ``head_dim`` 64 or more for vLLM's
+    CPU attention)."""
     cfg = Qwen3Config(
         vocab_size=QWEN3_VOCAB,
         hidden_size=hidden,
@@ -180,7 +181,7 @@ def qwen3_like(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=40_960,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,

@@ -33,13 +33,20 @@ from d3d.engine.calibration import seed
 from d3d.engine.cost_memory import costs_path, load_costs, save_costs
 from d3d.engine.drafter_host import DrafterHost, launch_process
 from d3d.engine.kv_store import PrefixCache
-from d3d.engine.loading import build_drafter, check_device, drafter_backend, placement_for
+from d3d.engine.loading import (
+    build_drafter,
+    check_device,
+    drafter_backend,
+    drafter_layers,
+    placement_for,
+)
 from d3d.engine.request import GenRequest, Row
 from d3d.engine.scheduler import PrefillBudget, Scheduler
 from d3d.engine.stream import stream
 from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
+from d3d.model.specs import Speculation, speculation
 from d3d.replay import ReplayDrafter
 from d3d.worker.modes import ModeKit
 from d3d.worker.proposer import BatchedLink
@@ -71,11 +78,16 @@ class Engine:
         drafter: D3DDrafter | None = None,
         model_cfg: ModelConfig | None = None,
         backend: Backend | None = None,
+        off_reason: str = "no drafter loaded",
     ):
         """``backend``: how the target runs (:mod:`d3d.backends`; default: chosen by its
-        device)."""
+        device); ``off_reason``: why there is no drafter, when there is none."""
         self.target = target
         self.drafter = drafter
+        self.speculation = Speculation(
+            None if drafter is None else (model_cfg.drafter if model_cfg else "given"),
+            "" if drafter is not None else off_reason,
+        )
         self.model_cfg = model_cfg
         self.backend = backend or choose("auto", target.device)
         self.host = HostCosts()
@@ -105,6 +117,12 @@ class Engine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         backend = choose(cfg.backend, cfg.target_device, pack=cfg.pack, fuse=cfg.fuse)
+        chosen = speculation(cfg.drafter, cfg.target)
+        if with_drafter and not chosen.on:
+            log.warning("speculation off: %s", chosen.reason)
+        with_drafter = with_drafter and chosen.on
+        if with_drafter:
+            drafter_layers(cfg.drafter, cfg.target)  # a named checkpoint is read before the target
         place = placement_for(cfg)
         early = launch_process(cfg, place) if with_drafter and start_worker else None
         target = load_target(cfg.target, device=cfg.target_device, dtype=cfg.dtype)
@@ -116,7 +134,8 @@ class Engine:
         )
         if drafter is not None:
             drafter_backend(cfg).prepare_drafter(drafter.lm)
-        engine = cls(target, drafter, cfg, backend)
+        reason = chosen.reason or "not loaded in this process"
+        engine = cls(target, drafter, cfg, backend, off_reason=reason)
         if cfg.costs_dir:
             engine.remember_costs(costs_path(cfg, cfg.costs_dir))
         if early is not None:

@@ -15,7 +15,7 @@ from d3d.config import ModelConfig
 from d3d.engine.placement import Placement, PlacementError, parse_cores, resolve_placement
 from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.load import LoadedModel, ModelLoadError, load_target_part
-from d3d.model.specs import borrowed_layers, resolve_spec, self_layers
+from d3d.model.specs import borrowed_layers, self_layers, speculation
 from d3d.replay.spec import is_replay, parse_replay
 
 if TYPE_CHECKING:
@@ -45,9 +45,10 @@ def check_device(device: str) -> None:
 
 def build_drafter(
     spec: str, target: LoadedModel, device: str | None = None, share_layers: bool = False
-) -> D3DDrafter | ReplayDrafter:
+) -> D3DDrafter | ReplayDrafter | None:
     """Resolve a drafter spec against a loaded target (see :mod:`d3d.model.specs`; a
-    ``replay:`` spec is the replay instrument, :mod:`d3d.replay`).
+    ``replay:`` spec is the replay instrument, :mod:`d3d.replay`); None where speculation is
+    off (no trained drafter for the target, or ``none``: the log says which).
     ``share_layers``: a ``self:`` drafter runs on the target's own layer tensors (inference:
     no second copy) instead of copies that training may update."""
     if is_replay(spec):  # the measurement instrument (d3d.replay), never a default
@@ -55,11 +56,14 @@ def build_drafter(
 
         shape = replay_shape(spec)  # a drafter spec shape is built here, the engine's way
         built = None if shape is None else build_drafter(shape, target, device, share_layers)
+        if shape is not None and built is None:
+            raise DrafterError(f"a replay's drafter shape must name a drafter: {spec!r}")
         return build_replay(spec, target, device, shape=built)
-    depth = int(target.model.config.num_hidden_layers)
-    resolved = resolve_spec(spec, target.spec, depth)
-    if resolved != spec and resolved.startswith("self:"):
-        log.warning("no trained drafter for %s: using %s, untrained", target.spec, resolved)
+    chosen = speculation(spec, target.spec)
+    if chosen.drafter is None:
+        log.warning("speculation off: %s", chosen.reason)
+        return None
+    resolved = chosen.drafter
     layers = self_layers(resolved)
     if layers is not None:
         return D3DDrafter.from_target(
@@ -84,11 +88,13 @@ class DrafterFactory:
         # the embeddings, LM head and final norm; the target's other layers are never read.
         target = load_target_part(
             self.cfg.target,
-            lambda depth: drafter_layers(self.cfg.drafter, self.cfg.target, depth),
+            lambda _depth: drafter_layers(self.cfg.drafter, self.cfg.target),
             device=self.device,
             dtype=self.cfg.dtype,
         )
         drafter = build_drafter(self.cfg.drafter, target, self.device, share_layers=True)
+        if drafter is None:
+            raise DrafterError(speculation(self.cfg.drafter, self.cfg.target).reason)
         drafter_backend(self.cfg, self.device).prepare_drafter(drafter.lm)
         return drafter
 
@@ -104,21 +110,22 @@ def replay_shape(spec: str) -> str | None:
     return shape if shape and not is_random(shape) else None
 
 
-def drafter_layers(spec: str, target_spec: str, depth: int) -> tuple[int, ...]:
+def drafter_layers(spec: str, target_spec: str) -> tuple[int, ...]:
     """The target's layers a drafter of ``spec`` reads (:func:`d3d.model.specs.borrowed_layers`;
     a replay's, those of the drafter shape it runs, if any)."""
     if is_replay(spec):
         shape = replay_shape(spec)
-        return () if shape is None else borrowed_layers(shape, target_spec, depth)
-    return borrowed_layers(spec, target_spec, depth)
+        return () if shape is None else borrowed_layers(shape, target_spec)
+    return borrowed_layers(spec, target_spec)
 
 
 def drafter_backend(cfg: ModelConfig, device: str | None = None) -> Backend:
     """The backend that readies the drafter's language model on its device (``device``:
-    default the config's drafter device): the CPU's prepacked maps on a CPU, nothing
+    default the config's drafter device): the CPU's prepacked maps on a CPU, the cuda
+    backend's packed, captured drafting on a GPU (:mod:`d3d.backends.cuda.drafter`), nothing
     elsewhere (the drafter worker drafts through the model's own forward)."""
     dev = device or cfg.resolved_drafter_device
-    return choose("cpu" if dev == "cpu" else "reference", dev, pack=cfg.pack, fuse=cfg.fuse)
+    return choose("cpu" if dev == "cpu" else "auto", dev, pack=cfg.pack, fuse=cfg.fuse)
 
 
 def placement_for(cfg: ModelConfig) -> Placement:

@@ -1,9 +1,11 @@
 """Drafter specs: what ``--drafter`` names, and which of the target's layers it reads.
 
-``default`` is the checkpoint shipped in ``d3d/checkpoints/`` for the embedded target, else the
-target's first :data:`FALLBACK_LAYERS` layers (untrained); ``self:N`` is the target's first N
-layers, ``self:0,5,9`` those layers; anything else is a checkpoint folder written by
-:meth:`d3d.model.drafter.D3DDrafter.save`.
+``default`` is the checkpoint shipped in ``d3d/checkpoints/`` for the embedded target; a target
+with no trained drafter is served without speculation, on purpose, and :func:`speculation` says
+why (an untrained drafter only costs: every block it proposes is rejected). ``none`` (or ``off``)
+turns speculation off; ``self:N`` is the target's first N layers, ``self:0,5,9`` those layers
+(untrained unless trained since: a named choice, never a default); anything else is a
+checkpoint folder written by :meth:`d3d.model.drafter.D3DDrafter.save`.
 
 :func:`borrowed_layers` answers from the spec and the checkpoint's JSON alone, before any weight
 is read, so a drafter process can load just those layers of its target
@@ -14,6 +16,7 @@ is read, so a drafter process can load just those layers of its target
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from d3d.model.drafter import META_FILE, DrafterError
@@ -21,17 +24,48 @@ from d3d.model.load import DEFAULT_SPECS
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 DEFAULT_DRAFTER_DIR = CHECKPOINTS / "smollm2-135m"
-FALLBACK_LAYERS = 4
+NO_DRAFTER = ("none", "off", "")  # specs that turn speculation off
 
 
-def resolve_spec(spec: str, target_spec: str, depth: int) -> str:
-    """``default`` -> the shipped checkpoint (embedded target) or ``self:N``; other specs as
-    given. ``depth``: the target's number of decoder layers."""
-    if spec != "default":
-        return spec
+@dataclass(frozen=True)
+class Speculation:
+    """Whether a target is served with a drafter: ``drafter`` is the resolved spec (None:
+    speculation off), ``reason`` says why it is off."""
+
+    drafter: str | None
+    reason: str = ""
+
+    @property
+    def on(self) -> bool:
+        return self.drafter is not None
+
+    def to_dict(self) -> dict:
+        """The fields ``/ready`` and the log report."""
+        return {
+            "speculation": "on" if self.on else "off",
+            "speculation_reason": self.reason or None,
+        }
+
+
+def speculation(spec: str, target_spec: str) -> Speculation:
+    """Resolve ``--drafter`` against the target (see the module docstring)."""
+    name = spec.strip()
+    if name.lower() in NO_DRAFTER:
+        return Speculation(None, f"speculation turned off (--drafter {name})")
+    if name != "default":
+        return Speculation(name)
     if target_spec.lower() in DEFAULT_SPECS and (DEFAULT_DRAFTER_DIR / META_FILE).is_file():
-        return str(DEFAULT_DRAFTER_DIR)
-    return f"self:{min(FALLBACK_LAYERS, depth)}"
+        return Speculation(str(DEFAULT_DRAFTER_DIR))
+    return Speculation(
+        None,
+        f"no trained drafter for {target_spec}: train one with `d3d train` (docs/training.md) "
+        "and name it with --drafter PATH (D3D_DRAFTER)",
+    )
+
+
+def resolve_spec(spec: str, target_spec: str) -> str | None:
+    """The drafter spec ``spec`` names for ``target_spec`` (None: speculation off)."""
+    return speculation(spec, target_spec).drafter
 
 
 def self_layers(spec: str) -> int | list[int] | None:
@@ -45,12 +79,15 @@ def self_layers(spec: str) -> int | list[int] | None:
         raise DrafterError(f"bad drafter spec {spec!r}: use self:N or self:i,j,k") from exc
 
 
-def borrowed_layers(spec: str, target_spec: str, depth: int) -> tuple[int, ...]:
+def borrowed_layers(spec: str, target_spec: str) -> tuple[int, ...]:
     """Indices of the target's decoder layers the drafter of ``spec`` is made of (besides the
     embeddings and LM head every drafter reads): a ``self:`` spec's, an adapter checkpoint's
     over the target; none for a checkpoint that stores its own layers or was initialised from
-    another model (``init``)."""
-    spec = resolve_spec(spec, target_spec, depth)
+    another model (``init``), nor without a drafter."""
+    resolved = resolve_spec(spec, target_spec)
+    if resolved is None:
+        return ()
+    spec = resolved
     layers = self_layers(spec)
     if layers is not None:
         return tuple(range(layers)) if isinstance(layers, int) else tuple(layers)

@@ -5,10 +5,11 @@
 :class:`~d3d.config.ModelConfig`: the target's weights (the embedded default: its converted
 folder under ``~/.cache/d3d``), the dtype (``auto``: bf16 on CUDA, fp32 on a CPU, as the own
 engine), the KV budget in bytes, and the D3D proposer as vLLM's ``custom_class`` speculative
-method with K = block size - 1 (None for ``drafter="none"``: vLLM alone). :func:`prepare_env`
+method with K = block size - 1 (None where speculation is off, :func:`d3d.model.specs.speculation`: vLLM alone). :func:`prepare_env`
 sets the variables the proposer reads in vLLM's model-runner process (``D3D_TARGET``,
 ``D3D_DRAFTER``, ``D3D_DRAFTER_DEVICE``, ..., and the path of the flag by which the engine core
-skips empty draft round trips: :mod:`d3d.vllm.draft_fetch`), which inherits this process's
+skips empty draft round trips, :mod:`d3d.vllm.draft_fetch`, beside the statistics socket in the
+caller's private folder), which inherits this process's
 environment, and on a CPU host lets vLLM compute on every core (its default reserves one for its
 front end) unless the caller set ``VLLM_CPU_*`` already.
 
@@ -27,17 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from d3d.config import DEFAULT_BLOCK_SIZE, ConfigError, ModelConfig
 from d3d.engine.placement import resolve_placement
-from d3d.model.load import DEFAULT_SPECS, embedded_default_dir
+from d3d.model.load import DEFAULT_SPECS, embedded_default_dir, hub_source
+from d3d.model.specs import speculation
 from d3d.vllm import PROPOSER, draft_fetch
 
-NO_DRAFTER = ("none", "off", "")
+FLAG = "drafted"  # the draft flag's name, in the statistics socket's private folder
 
 
 def target_path(spec: str) -> str:
@@ -47,12 +47,12 @@ def target_path(spec: str) -> str:
     if spec.endswith(".gguf"):
         raise ValueError("--engine vllm serves a folder or a Hugging Face id, not a .gguf file")
     path = Path(spec).expanduser()
-    return str(path) if path.exists() else spec
+    return str(path) if path.exists() else spec  # a Hugging Face id (org/name@REVISION: pinned)
 
 
 def speculative_config(cfg: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> dict | None:
     """vLLM's ``speculative_config`` for the D3D proposer (None: no drafter)."""
-    if cfg.drafter.strip().lower() in NO_DRAFTER:
+    if not speculation(cfg.drafter, cfg.target).on:  # none asked for, or none trained
         return None
     return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": block_size - 1}
 
@@ -81,6 +81,9 @@ def engine_args(
         "disable_log_stats": False,
         "logprobs_mode": "processed_logprobs",  # logprobs of the distribution sampled from
     }
+    if "@" in args["model"] and not Path(args["model"]).exists():  # org/name@REVISION
+        args["model"], pin = hub_source(args["model"])
+        args.update(pin)
     if max_model_len:
         args["max_model_len"] = max_model_len
     if kv_bytes:
@@ -101,10 +104,14 @@ def prepare_env(cfg: ModelConfig, mode: str = "auto", stats_path: str | None = N
     env["D3D_VLLM_MODE"] = mode
     if cfg.drafter_device:
         env["D3D_DRAFTER_DEVICE"] = cfg.drafter_device
+    # The draft flag lies beside the statistics socket, in the caller's private folder
+    # (d3d.vllm.private); without one, vLLM keeps its draft round trip after every step.
     if stats_path:
         env["D3D_VLLM_STATS"] = stats_path
-    name = f"d3d-drafted-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per engine
-    env[draft_fetch.ENV] = os.path.join(tempfile.gettempdir(), name)
+        env[draft_fetch.ENV] = os.path.join(os.path.dirname(os.path.abspath(stats_path)), FLAG)
+    else:
+        env.pop("D3D_VLLM_STATS", None)
+        env.pop(draft_fetch.ENV, None)
     if not cfg.target_device.startswith("cuda"):
         cores = vllm_cores(cfg)
         contiguous = len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1))

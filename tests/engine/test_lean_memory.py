@@ -64,9 +64,8 @@ def target():
         lambda t: D3DDrafter.from_target(t, [0, 2], share=True),
         lambda t: D3DDrafter.from_target(t, 3, adapter=AdapterConfig(rank=4)),
         lambda t: build_drafter("self:2", LoadedModel(t, None, "tiny"), share_layers=True),
-        lambda t: build_drafter("default", LoadedModel(t, None, "tiny")),
     ],
-    ids=["copy", "share", "adapter", "build_drafter", "default"],
+    ids=["copy", "share", "adapter", "build_drafter"],
 )
 def test_building_a_drafter_allocates_no_full_vocab_tensor(target, build):
     with FullVocab() as seen:
@@ -123,7 +122,7 @@ def test_load_target_reads_weights_straight_into_their_dtype(saved_target, monke
 
 def test_the_drafter_process_reads_only_its_layers_in_the_configured_dtype(saved_target):
     spec = str(saved_target)
-    part = load_target_part(spec, lambda depth: borrowed_layers("self:2", spec, depth))
+    part = load_target_part(spec, lambda _depth: borrowed_layers("self:2", spec))
     layers = part.model.model.layers
     assert [layer.mlp.up_proj.weight.is_meta for layer in layers] == [False, False, True, True]
     assert part.model.dtype == torch.float32 and part.tokenizer is None
@@ -140,13 +139,13 @@ def test_the_drafter_process_reads_only_its_layers_in_the_configured_dtype(saved
 
 
 def test_borrowed_layers_follow_the_spec(target, tmp_path):
-    assert borrowed_layers("self:3", "tiny", 36) == (0, 1, 2)
-    assert borrowed_layers("self:0,5", "tiny", 36) == (0, 5)
-    assert borrowed_layers("default", "tiny", 36) == (0, 1, 2, 3)  # no shipped drafter for it
+    assert borrowed_layers("self:3", "tiny") == (0, 1, 2)
+    assert borrowed_layers("self:0,5", "tiny") == (0, 5)
+    assert borrowed_layers("default", "tiny") == ()  # no trained drafter for it: none read
     D3DDrafter.from_target(target, [0, 2], adapter=AdapterConfig(rank=2)).save(tmp_path / "a")
     D3DDrafter.from_target(target, [0, 2]).save(tmp_path / "p")
-    assert borrowed_layers(str(tmp_path / "a"), "tiny", 3) == (0, 2)
-    assert borrowed_layers(str(tmp_path / "p"), "tiny", 3) == ()  # its layers are its own
+    assert borrowed_layers(str(tmp_path / "a"), "tiny") == (0, 2)
+    assert borrowed_layers(str(tmp_path / "p"), "tiny") == ()  # its layers are its own
 
 
 def test_worker_prompt_encoding_scores_the_last_row_only():

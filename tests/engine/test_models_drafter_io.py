@@ -115,8 +115,9 @@ def test_bad_drafter_specs(tmp_path):
     with pytest.raises(DrafterError, match="layers must be"):
         build_drafter("self:0,9", target)
     assert len(build_drafter("self:0,1", target).meta.layers) == 2
-    # No shipped drafter for this target: the default is its first layers (all 2 of them here).
-    assert build_drafter("default", target).meta.layers == (0, 1)
+    # No trained drafter for this target: speculation is off, not an untrained drafter.
+    assert build_drafter("default", target) is None
+    assert build_drafter("none", target) is None
 
 
 def test_engine_rejects_a_drafter_of_another_vocabulary():
