@@ -128,6 +128,40 @@ def _convert_embedded(out: Path) -> Path:
     return out
 
 
+def _source(spec: str) -> tuple[str | Path, dict]:
+    """Where ``spec``'s files are read from, and what ``from_pretrained`` needs besides (a GGUF
+    file's name); a one-line :class:`ModelLoadError` for a path that is not a model."""
+    path = Path(spec).expanduser()
+    if spec.lower() in DEFAULT_SPECS:
+        return embedded_default_dir(), {}
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return path.parent, {"gguf_file": path.name}
+    if path.exists() or spec.startswith((".", "/", "~")):
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory not found: {path}")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path, {}
+    return hub_source(spec)
+
+
+def hub_source(spec: str) -> tuple[str, dict]:
+    """A Hugging Face id and its ``from_pretrained`` arguments: ``org/name@REVISION`` pins the
+    files to a commit (or tag, or branch) so that a later upload to the repository changes
+    nothing here; without ``@`` the repository's default branch is read as it is that day."""
+    name, at, revision = spec.partition("@")
+    if at and not (name and revision):
+        raise ModelLoadError(f"{spec!r}: a pinned id is org/name@REVISION")
+    return name, ({"revision": revision} if at else {})
+
+
+def _load_error(spec: str, exc: Exception) -> ModelLoadError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelLoadError(f"cannot load model {spec!r}: {first}")
+
+
 def load_target(
     spec: str = "default", device: str = "cpu", dtype: str = "auto", attn: str = "sdpa"
 ) -> LoadedModel:
@@ -141,38 +175,55 @@ def load_target(
     Shapes: the model maps ids [B, T] to logits [B, T, V].
     """
     torch_dtype = resolve_dtype(dtype, device)
-    path = Path(spec).expanduser()
     kwargs = {"dtype": torch_dtype, "attn_implementation": attn, "device_map": {"": device}}
+    src, extra = _source(spec)
     try:
-        if spec.lower() in DEFAULT_SPECS:
-            src = embedded_default_dir()
-            tok = AutoTokenizer.from_pretrained(src)
-            model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
-        elif spec.endswith(".gguf"):
-            if not path.is_file():
-                raise ModelLoadError(f"GGUF file not found: {path}")
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            kwargs.pop("device_map")  # dequantised on the CPU, moved below
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+        tok = AutoTokenizer.from_pretrained(src, **extra)
+        if extra:  # a GGUF file: dequantised on the CPU, moved below
+            kwargs.pop("device_map")
+        model = AutoModelForCausalLM.from_pretrained(src, **extra, **kwargs)
+        if extra:
             model.hf_quantizer = None
-        elif path.exists() or spec.startswith((".", "/", "~")):
-            if not path.is_dir():
-                raise ModelLoadError(f"model directory not found: {path}")
-            if not (path / "config.json").is_file():
-                raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
-            tok = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        else:
-            tok = AutoTokenizer.from_pretrained(spec)
-            model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
-    except ModelLoadError:
-        raise
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load model {spec!r}: {first}") from exc
+        raise _load_error(spec, exc) from exc
     model.to(device).eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tok, spec=spec)
+
+
+@dataclass(frozen=True)
+class TargetText:
+    """A target's text side without its weights: the tokenizer (and its chat template) and
+    the ids that end a generation, for a process that reads and writes text while the weights
+    live elsewhere (vLLM's engine, a drafter worker)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    spec: str
+    max_positions: int | None  # the config's max_position_embeddings (None: not stated)
+
+
+def load_text(spec: str = "default") -> TargetText:
+    """The tokenizer, configs and end ids of ``spec``'s target; no weight is read."""
+    from transformers import AutoConfig, GenerationConfig
+
+    src, extra = _source(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **extra)
+        config = AutoConfig.from_pretrained(src, **extra)
+        try:
+            generation = GenerationConfig.from_pretrained(src, **extra)
+        except OSError:  # no generation_config.json: the model config's ids stand
+            generation = None
+    except (OSError, ValueError) as exc:
+        raise _load_error(spec, exc) from exc
+    positions = getattr(config, "max_position_embeddings", None)
+    return TargetText(
+        tokenizer=tok,
+        eos_token_ids=frozenset(_end_ids((generation, config), tok)),
+        spec=spec,
+        max_positions=int(positions) if positions else None,
+    )
 
 
 def local_folder(spec: str) -> Path | None:
@@ -230,8 +281,12 @@ def load_target_part(
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     """Every id that ends a generation: the generation config's and the tokenizer's EOS."""
+    return _end_ids((getattr(model, "generation_config", None), model.config), tokenizer)
+
+
+def _end_ids(sources: Iterable[object], tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    for source in sources:
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):
             ids.add(eos)

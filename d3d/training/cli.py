@@ -1,4 +1,5 @@
-"""``d3d data``, ``d3d train``, ``d3d prune``, ``d3d accept`` and ``d3d drafter-eval``.
+"""``d3d train``, ``d3d prune``, ``d3d accept`` and ``d3d drafter-eval`` (``d3d data``:
+:mod:`.data_cli`).
 
 Thin wrappers: parse flags into the frozen configs of :mod:`d3d.training` and call it. Every
 command takes the shared model flags (``--target``, ``--threads``, ``--device``, ...); for
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from d3d.cli import add_model_args, model_config
+from d3d.training import data_cli
 
 DEFAULT_INIT = "self:8"
 
@@ -106,61 +108,6 @@ def _train_config(args: argparse.Namespace, steps: int, save_every: int):
         parallel=getattr(args, "parallel", "ddp"),
         keep_every=getattr(args, "keep_every", 0),
     )
-
-
-def cmd_data(args: argparse.Namespace) -> int:
-    from d3d.engine import Engine
-    from d3d.training import contamination
-    from d3d.training.data import write_heldout_prompts
-    from d3d.training.parallel import from_env
-    from d3d.training.responses import DataConfig, Shard, generate_data
-    from d3d.training.sources import DEFAULT_MIX, prompt_mix
-
-    if args.text_source:
-        return _text_data(args)
-    cfg = DataConfig(
-        heldout_fraction=args.heldout_fraction,
-        max_new_tokens=args.max_new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        batch_size=args.batch_size,
-        topk=args.keep_topk,
-        allow_eval=args.allow_eval_sources,
-    )
-    sources = [*(args.sources or []), *(f"jsonl:{p}" for p in args.prompts or [])]
-    prompts = prompt_mix(sources or DEFAULT_MIX)
-    shard, rank = Shard.parse(args.shard), from_env()
-    mcfg = model_config(args)
-    if rank.enabled and mcfg.target_device.startswith("cuda"):  # torchrun: a shard per GPU
-        mcfg = dataclasses.replace(mcfg, target_device=f"cuda:{rank.local_rank}")
-    engine = Engine.from_config(mcfg, with_drafter=False)
-    report = generate_data(engine, prompts, args.out, cfg, shard, contamination.default_index(),
-                           progress=not args.quiet)  # fmt: skip
-    out = report.to_dict()
-    if args.heldout_prompts and shard.count == 1:
-        out["heldout_prompts"] = write_heldout_prompts(args.out, args.heldout_prompts)
-    print(json.dumps(out))
-    return 0
-
-
-def _text_data(args: argparse.Namespace) -> int:
-    """Teacher-forced records (existing replies, tokenized; no generation)."""
-    from d3d.training.teacher import sharegpt_items, write_text_records
-
-    name, _, limit = args.text_source.partition("@")
-    if name != "sharegpt":
-        raise ValueError(f"unknown text source {name!r}: use sharegpt[@N]")
-    from d3d.training import contamination
-
-    tokenizer = _load(args, None)[0].tokenizer
-    t0 = time.perf_counter()
-    items = sharegpt_items(int(limit) if limit else None)
-    if not args.allow_eval_sources:  # the eval-set guard, as for generated records
-        index = contamination.default_index()
-        items = [it for it in items if index.match(it[2]) is None]
-    n = write_text_records(tokenizer, items, args.out, max_reply_tokens=args.max_new_tokens,
-                           heldout_fraction=args.heldout_fraction)  # fmt: skip
-    print(json.dumps({"out": args.out, "written": n, "seconds": round(time.perf_counter() - t0)}))
-    return 0
 
 
 def _init_spec(args: argparse.Namespace) -> str:
@@ -309,45 +256,7 @@ def _export_flags(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="generate the target's own responses as training data")
-    p.add_argument("--out", required=True, help="jsonl file (appended to; reruns resume)")
-    p.add_argument(
-        "--prompts",
-        nargs="+",
-        default=None,
-        help="prompt file(s): jsonl with 'prompt' or chat 'messages' (optional 'id', 'source'), "
-        "or one prompt per line",
-    )
-    p.add_argument("--sources", nargs="+", default=None, help="prompt sources, e.g. general@300")
-    p.add_argument("--heldout-fraction", type=float, default=0.08)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
-    p.add_argument(
-        "--batch-size", type=int, default=16, help="requests decoding at once (continuous batching)"
-    )
-    p.add_argument(
-        "--shard",
-        default=None,
-        help="i/n: generate shard i of n (its own file, OUT.shard-i-of-n.jsonl); under torchrun "
-        "each rank takes its own shard",
-    )
-    p.add_argument(
-        "--allow-eval-sources",
-        action="store_true",
-        help="also answer prompts from or found in an evaluation set (labelled eval_set)",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--heldout-prompts", default=None, help="also write the held-out prompts here")
-    p.add_argument("--keep-topk", type=int, default=0,
-                   help="also store the target's top-k log-probs per response token")  # fmt: skip
-    p.add_argument(
-        "--text-source",
-        default=None,
-        help="write teacher-forced records from existing replies instead (sharegpt[@N]; local "
-        "use only) — no generation, soft labels come from the target at training time",
-    )
-    add_model_args(p)
-    p.set_defaults(func=cmd_data)
+    data_cli.register(sub)
 
     p = sub.add_parser("train", help="train a drafter on target responses (resumable)")
     p.add_argument("--out", required=True, help="run folder (checkpoints, log.jsonl, final/)")

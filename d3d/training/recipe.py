@@ -121,6 +121,7 @@ class Recipe:
     max_new_tokens: int = 2048
     max_prompt_tokens: int = 2048
     data_batch: int = 128  # requests decoding at once, per GPU
+    data_engine: str = "vllm"  # what decodes the data on GPUs (on a CPU: the own engine)
     heldout_fraction: float = 0.01
     # train
     epochs: float = 3.0
@@ -189,6 +190,8 @@ def stage_commands(r: Recipe) -> dict[str, list[str]]:
             "--max-new-tokens", r.max_new_tokens, "--max-prompt-tokens", r.max_prompt_tokens,
             "--batch-size", r.data_batch, "--heldout-fraction", r.heldout_fraction,
             "--quiet"]  # fmt: skip
+    if _vllm_data(r):  # vLLM's batching on every GPU: a process per GPU, not torchrun
+        data += ["--engine", "vllm", "--gpus", r.gpus]
     train = ["train", *_model_flags(r), "--init", r.init, "--data", r.data_path,
              "--out", f"{r.root}/train", "--steps", r.train_steps, "--grad-accum",
              r.global_batch, "--lr", r.lr, "--warmup", r.warmup, *train_flags,
@@ -214,8 +217,15 @@ def _arg(a: object) -> str:
     return f"{a:g}" if isinstance(a, float) else str(a)
 
 
+def _vllm_data(r: Recipe) -> bool:
+    return r.data_engine == "vllm" and r.device.startswith("cuda")
+
+
 def launcher(r: Recipe, stage: str) -> list[str]:
-    """How a stage starts: torchrun over the GPUs (data: a shard each; train: DDP/FSDP)."""
+    """How a stage starts: torchrun over the GPUs (train: DDP/FSDP; data on the own engine: a
+    shard each; ``d3d data --engine vllm --gpus N`` starts its own process per GPU)."""
+    if stage == "data" and _vllm_data(r):
+        return ["d3d"]
     if r.gpus > 1 and stage in ("data", "train"):
         return ["torchrun", "--nproc_per_node", str(r.gpus), "-m", "d3d"]
     return ["d3d"]

@@ -2,13 +2,16 @@
 
 Design:
 
-- One decoding path for everything: the prompts go through the same
+- A :class:`Responder` decodes; this module chooses prompts and writes records. The own
+  engine's (:class:`EngineResponder`) sends the prompts through the same
   :class:`~d3d.engine.Scheduler` that ``d3d generate`` and the service decode through, as
   ``ar`` requests (the target alone, greedy). Up to ``batch_size`` requests run at once and a
   new one joins as soon as another finishes (continuous batching): no row waits for the longest
   answer of a static batch, and no compute goes to padding past a row's end. Each row's output
   is plain greedy decoding of the target, whatever shares the batch (up to float summation
-  order), so a batch of 16 writes the records one at a time would.
+  order), so a batch of 16 writes the records one at a time would. ``--engine vllm``
+  (:class:`d3d.vllm.data.VllmResponder`) decodes the same greedy responses with vLLM's
+  batching, the fast path on a GPU.
 - Records are appended as requests finish, one flushed line each; a rerun skips ids already
   written (in the output and in any of its shard files), and a line torn by a killed run is
   dropped first (:func:`d3d.training.data.read_jsonl`).
@@ -30,9 +33,10 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -158,7 +162,71 @@ def top_k(model, prompt_ids: Sequence[int], response: Sequence[int], k: int) -> 
     }
 
 
-def _record(engine: Engine, p: Prompt, ids: list[int], resp: list[int], cfg: DataConfig) -> dict:
+@dataclass(frozen=True)
+class Response:
+    """Prompt ``index``'s greedy response (``error``: why there is none)."""
+
+    index: int
+    tokens: list[int]
+    error: BaseException | None = None
+
+
+class Responder(Protocol):
+    """Greedy responses of the target, and its tokenizer (see the module docstring)."""
+
+    @property
+    def tokenizer(self): ...
+
+    def respond(
+        self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int
+    ) -> Iterator[Response]:
+        """Each prompt's response as soon as it is done, in any order."""
+        ...
+
+    def top_k(self, prompt_ids: Sequence[int], response: Sequence[int], k: int) -> dict:
+        """The target's top-k ids and log-probs at each response position (:func:`top_k`)."""
+        ...
+
+
+class EngineResponder:
+    """The own engine's scheduler as a :class:`Responder` (continuous batching of ``ar``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def respond(
+        self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int
+    ) -> Iterator[Response]:
+        sched = self.engine.scheduler()
+        sched.max_batch = batch_size  # whatever the engine's scheduler ran before
+        todo = deque(enumerate(prompts))
+        finished: list[Response] = []
+        live = 0
+        while todo or live:
+            while todo and live < batch_size:  # rows join as others finish
+                i, ids = todo.popleft()
+                tokens: list[int] = []
+
+                def done(_stats, err, i=i, tokens=tokens) -> None:
+                    finished.append(Response(i, tokens, err))
+
+                sched.add(GenRequest(list(ids), max_new_tokens, mode="ar", copy=False,
+                                     on_tokens=tokens.extend, on_finish=done))  # fmt: skip
+                live += 1
+            sched.step()
+            live -= len(finished)
+            yield from finished
+            finished.clear()
+
+    def top_k(self, prompt_ids: Sequence[int], response: Sequence[int], k: int) -> dict:
+        return top_k(self.engine.target.model, prompt_ids, response, k)
+
+
+def _record(source: Responder, p: Prompt, ids: list[int], resp: list[int], cfg: DataConfig) -> dict:
     rec = {
         "id": p.id,
         "source": p.source,
@@ -166,19 +234,19 @@ def _record(engine: Engine, p: Prompt, ids: list[int], resp: list[int], cfg: Dat
         "prompt": p.text,
         "prompt_ids": ids,
         "response_ids": resp,
-        "text": engine.tokenizer.decode(resp, skip_special_tokens=True),
+        "text": source.tokenizer.decode(resp, skip_special_tokens=True),
     }
     if p.messages is not None:
         rec["messages"] = [dict(m) for m in p.messages]
     if cfg.topk and resp:
-        rec.update(top_k(engine.target.model, ids, resp, cfg.topk))
+        rec.update(source.top_k(ids, resp, cfg.topk))
     return rec
 
 
 Todo = tuple[Prompt, list[int], "str | None"]  # a prompt, its ids, the evaluation set it is in
 
 
-def _todo(engine, prompts, out, cfg, shard, index, report) -> list[Todo]:
+def _todo(tokenizer, prompts, out, cfg, shard, index, report) -> list[Todo]:
     done = done_ids(out)
     todo = []
     for p in prompts:
@@ -191,7 +259,7 @@ def _todo(engine, prompts, out, cfg, shard, index, report) -> list[Todo]:
         if found is not None and not cfg.allow_eval:
             report.refused_eval.append(p.id)
             continue
-        ids = p.encode(engine.tokenizer)
+        ids = p.encode(tokenizer)
         if len(ids) > cfg.max_prompt_tokens:
             log.info("skipping %s: %d prompt tokens", p.id, len(ids))
             report.skipped_long += 1
@@ -204,7 +272,7 @@ def _todo(engine, prompts, out, cfg, shard, index, report) -> list[Todo]:
 
 
 def generate_data(
-    engine: Engine,
+    source: Engine | Responder,
     prompts: Sequence[Prompt],
     out_path: str | Path,
     cfg: DataConfig,
@@ -213,46 +281,31 @@ def generate_data(
     progress: bool = True,
 ) -> DataReport:
     """Append the target's greedy responses to ``prompts`` (this shard's, not yet written) to
-    ``shard.path(out_path)`` (see the module docstring)."""
+    ``shard.path(out_path)``, decoded by ``source`` (an engine: its scheduler; see the module
+    docstring). Each record is flushed as its response is done."""
+    responder = EngineResponder(source) if isinstance(source, Engine) else source
     out = shard.path(Path(out_path))
     out.parent.mkdir(parents=True, exist_ok=True)
     report = DataReport(out=str(out), eval_sets_checked=index.sets if index is not None else [])
-    todo = deque(_todo(engine, prompts, Path(out_path), cfg, shard, index, report))
+    todo = _todo(responder.tokenizer, prompts, Path(out_path), cfg, shard, index, report)
     if out.is_file() and out.stat().st_size and not out.read_bytes().endswith(b"\n"):
         with out.open("a") as f:  # a whole last line without its newline: end it first
             f.write("\n")
-    sched = engine.scheduler()
-    sched.max_batch = cfg.batch_size  # whatever the engine's scheduler ran before
-    finished: list[tuple[Prompt, list[int], str | None, list[int], BaseException | None]] = []
-    live = 0
     t0 = time.perf_counter()
+    responses = responder.respond([ids for _, ids, _ in todo], cfg.max_new_tokens, cfg.batch_size)
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), desc="responses",
                                                     disable=not progress) as bar:  # fmt: skip
-        while todo or live:
-            while todo and live < cfg.batch_size:  # rows join as others finish
-                p, ids, found = todo.popleft()
-                tokens: list[int] = []
-
-                def done(_stats, err, p=p, ids=ids, found=found, tokens=tokens) -> None:
-                    finished.append((p, ids, found, tokens, err))
-
-                sched.add(GenRequest(ids, cfg.max_new_tokens, mode="ar", copy=False,
-                                     on_tokens=tokens.extend, on_finish=done))  # fmt: skip
-                live += 1
-            sched.step()
-            for p, ids, found, resp, err in finished:
-                live -= 1
-                if err is not None:
-                    raise RuntimeError(f"generating {p.id} failed: {err}") from err
-                rec = _record(engine, p, ids, resp, cfg)
-                if found is not None:
-                    rec["eval_set"] = found
-                f.write(json.dumps(rec) + "\n")
-                report.written += 1
-                report.response_tokens += len(resp)
-                bar.update(1)
-            if finished:
-                f.flush()
-                finished.clear()
+        for r in responses:
+            p, ids, found = todo[r.index]
+            if r.error is not None:
+                raise RuntimeError(f"generating {p.id} failed: {r.error}") from r.error
+            rec = _record(responder, p, ids, r.tokens, cfg)
+            if found is not None:
+                rec["eval_set"] = found
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            report.written += 1
+            report.response_tokens += len(r.tokens)
+            bar.update(1)
     report.seconds = time.perf_counter() - t0
     return report

@@ -12,6 +12,7 @@ import pytest
 
 from d3d.cli import build_parser, main
 from d3d.training.data import read_many
+from d3d.training.data_cli import shard_commands
 from d3d.training.recipe import QWEN3_8B, QWEN3_32B, SHAPES, compute, launcher, stage_commands
 from tests.conftest import QWEN3_INIT_HIDDEN
 
@@ -24,6 +25,10 @@ def test_the_documented_commands_parse(recipe):
         assert ns.func.__name__ == {"evaluate": "cmd_drafter_eval"}.get(stage, f"cmd_{stage}")
     assert launcher(recipe, "train")[:3] == ["torchrun", "--nproc_per_node", "8"]
     assert launcher(recipe, "prune") == ["d3d"]
+    # The data is vLLM's on GPUs: one process per GPU, started by `d3d data --gpus 8` itself.
+    assert launcher(recipe, "data") == ["d3d"]
+    data = stage_commands(recipe)["data"]
+    assert data[data.index("--engine") + 1] == "vllm" and data[data.index("--gpus") + 1] == "8"
 
 
 def test_compute_follows_from_the_shapes():
@@ -69,3 +74,25 @@ def test_the_recipe_runs_end_to_end_on_tiny_qwen3_models(
     stages = json.loads((tmp_path / "run" / "prune" / "stages.json").read_text())["stages"]
     assert [s["layers_kept"] for s in stages] == [3, 2]
     assert (tmp_path / "run" / "prune" / "chosen" / "drafter.json").is_file()
+
+
+def test_vllm_data_on_several_gpus_starts_one_shard_per_gpu(capsys):
+    argv = ["data", "--engine", "vllm", "--gpus", "2", "--out", "o.jsonl", "--device", "cuda:0"]
+    cmds = shard_commands(argv, 2)
+    assert [env for env, _ in cmds] == [
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+    ]
+    for i, (_, cmd) in enumerate(cmds):
+        assert cmd[1:3] == ["-m", "d3d"] and "--gpus" not in cmd and "2" not in cmd[3:7]
+        assert cmd[-4:] == ["--shard", f"{i}/2", "--device", "cuda"]  # the last --device wins
+    assert shard_commands(["data", "--gpus=4"], 4)[3][1][3:] == [
+        "data",
+        "--shard",
+        "3/4",
+        "--device",
+        "cuda",
+    ]
+    # Several GPUs are vLLM's processes, or torchrun's for the own engine.
+    assert main(["data", "--gpus", "2", "--out", "x.jsonl"]) == 2
+    assert "--gpus" in capsys.readouterr().err
