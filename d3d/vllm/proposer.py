@@ -50,7 +50,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 from dataclasses import dataclass
 
 from d3d.config import ConfigError, ModelConfig
@@ -59,7 +58,7 @@ from d3d.decoding.policy import HostCosts
 from d3d.decoding.stats import DecodeStats
 from d3d.engine.loading import DrafterFactory
 from d3d.engine.placement import parse_cores
-from d3d.vllm import draft_fetch, plain_steps
+from d3d.vllm import draft_fetch, patches, plain_steps
 from d3d.vllm.rows import RequestRows, RowView
 from d3d.vllm.stats import StatsServer
 from d3d.worker.modes import MODES, ModeKit
@@ -106,17 +105,6 @@ class ProposerSettings:
 def external_id(req_id: str) -> str:
     """The id a client gave (vLLM appends ``-`` and 8 characters to make it unique)."""
     return req_id[:-9] if len(req_id) > 9 and req_id[-9] == "-" else req_id
-
-
-def find_runner() -> object | None:
-    """vLLM's model runner, the caller several frames up (it builds its drafter in __init__)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        obj = frame.f_locals.get("self")
-        if obj is not None and type(obj).__name__.endswith("ModelRunner"):
-            return obj
-        frame = frame.f_back
-    return None
 
 
 def _tp_rank() -> int:
@@ -171,7 +159,7 @@ class D3DProposer:
             getattr(vllm_config.model_config.hf_config, "num_hidden_layers", 0) or 0
         )
         self.served = str(vllm_config.model_config.model)
-        self.runner = find_runner()
+        self.runner = patches.find_runner()
         self.settings = ProposerSettings.from_env()
         self.rows: RequestRows | None = None
         self.supervisor: Supervisor | None = None
@@ -182,7 +170,7 @@ class D3DProposer:
         if self.runner is None:
             log.error("D3D proposer: vLLM's model runner not found; no drafts (vLLM changed?)")
         self.paths = plain_steps.install(self.runner)  # None where not installed
-        self.fetches = draft_fetch.count_fetches(self.runner)
+        self.fetches = patches.count_take_drafts(self.runner)
         self.flag: draft_fetch.DraftFlag | None = None
 
     # ----- vLLM's calls -----------------------------------------------------------------------
@@ -234,7 +222,10 @@ class D3DProposer:
             except OSError:
                 log.exception("D3D proposer: no draft flag; vLLM fetches drafts every step")
         if self.settings.stats_path:
-            self.stats_server = StatsServer(self.settings.stats_path, self._answer)
+            try:
+                self.stats_server = StatsServer(self.settings.stats_path, self._answer)
+            except OSError:  # a folder others may enter (d3d.vllm.private): no figures
+                log.exception("D3D proposer: no statistics socket at %s", self.settings.stats_path)
         atexit.register(self.close)
 
     def propose(
@@ -258,18 +249,16 @@ class D3DProposer:
 
     # ----- helpers ----------------------------------------------------------------------------
     def _views(self, sampled, num_tokens, token_ids) -> list[RowView]:
-        batch, requests = self.runner.input_batch, self.runner.requests
         views = []
-        for i, s in enumerate(sampled):
-            rid = batch.req_ids[i]
-            state = requests.get(rid)
-            sp = getattr(state, "sampling_params", None)
+        rows = patches.row_requests(self.runner, len(sampled))
+        for i, (s, row) in enumerate(zip(sampled, rows, strict=True)):
+            rid, sp = row.req_id, row.sampling_params
             mode = ((getattr(sp, "extra_args", None) or {}).get("d3d_mode")) or self.settings.mode
             if not self.sampled_speculate and getattr(sp, "temperature", 0.0) > 0:
                 mode = "ar"  # vLLM's CPU verification of sampled drafts is not exact
             length = int(num_tokens[i])
             budget = None
-            prompt = getattr(state, "prompt_token_ids", None)
+            prompt = row.prompt_token_ids
             if sp is not None and sp.max_tokens is not None and prompt is not None:
                 budget = int(sp.max_tokens) - (length - len(prompt))
             ctx = token_ids[i, :length].tolist() if s and mode != "ar" else ()

@@ -3,6 +3,7 @@ uses it decodes losslessly."""
 
 import copy
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -18,7 +19,11 @@ from d3d.model.drafter import D3DDrafter
 from tests.engine.test_async_lossless import PROMPTS, run
 from tests.unit.test_slabs import assert_each_row_alone
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="vLLM's CPU kernels not installed")
+# vLLM installed without its kernels fails these tests (d3d.backends.cpu.vllm_kernels).
+NO_VLLM = importlib.util.find_spec("vllm") is None
+pytestmark = pytest.mark.skipif(
+    NO_VLLM, reason="vLLM is not installed (make setup installs its CPU build)"
+)
 
 D = 32  # the kernel's smallest head dim
 

@@ -1,6 +1,8 @@
 """vLLM's fused CPU kernels compute what the model's own code computes, only for the fused model,
 and step aside where they must."""
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,11 @@ from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_async_lossless import PROMPTS, run
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="vLLM's CPU kernels not installed")
+# vLLM installed without its kernels fails these tests (d3d.backends.cpu.vllm_kernels).
+NO_VLLM = importlib.util.find_spec("vllm") is None
+pytestmark = pytest.mark.skipif(
+    NO_VLLM, reason="vLLM is not installed (make setup installs its CPU build)"
+)
 
 IDS = torch.tensor([[1, 5, 9, 22, 7, 3, 3, 40, 41, 2]])
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from d3d.backends import check
+from d3d.backends.cpu import vllm_kernels
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +67,7 @@ def enable(model: nn.Module) -> int:
 
 def _isa(dtype: torch.dtype, d: int) -> str | None:
     """vLLM's kernel variant for this dtype and head dim (None: it has none)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
-
-        if d not in CPUAttentionBackend.get_supported_head_sizes():
-            return None
-        if dtype not in CPUAttentionBackend.supported_dtypes:
-            return None
-        return _get_attn_isa(dtype, 64, d)
-    except Exception as e:  # any failure to load vLLM's backend: no kernel
-        log.info("vLLM's CPU attention is unavailable: %s", e)
-        return None
+    return vllm_kernels.attention_isa(dtype, d)
 
 
 def _sample_agrees(hq: int, hkv: int, d: int, dtype: torch.dtype, isa: str) -> bool:
@@ -132,8 +123,7 @@ def write(
     """Write new keys and values [N, Hkv, D] (rows may be strided) into a store k [S, Hkv, D, C]
     (transposed) / v [S, Hkv, C, D] at ``slots`` [N] (slot * C + position), as the kernel will
     read them: one call for keys and values, where indexing them in takes two scatters."""
-    import vllm._custom_ops as ops
-
+    ops = vllm_kernels.ops()
     kc = k.view(k.shape[0], k.shape[1], k.shape[3], k.shape[2])  # the kernel's view of a block
     ops.cpu_attn_reshape_and_cache(key, value, kc, v, slots, isa)
 
@@ -142,8 +132,7 @@ def _run(q, k, v, rows, widths, scale: float, isa: str, memo: dict) -> torch.Ten
     """vLLM's kernel over ``rows`` ((slot, first query, length) each) of a store k [S, Hkv, D,
     C] (transposed), v [S, Hkv, C, D]; ``widths``: each row's new tokens, queries q [sum
     widths, Hq, D] in the rows' order."""
-    import vllm._custom_ops as ops
-
+    ops = vllm_kernels.ops()
     if "schedule" not in memo:  # the same for every layer of the step
         m = len(rows)
         seq = [n + w for (_, _, n), w in zip(rows, widths, strict=True)]

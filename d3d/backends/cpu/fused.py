@@ -44,6 +44,7 @@ from torch import nn
 
 from d3d.backends import check
 from d3d.backends.cpu import attention as cpu_attention
+from d3d.backends.cpu import vllm_kernels
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,7 @@ _state = threading.local()  # depth: fused forwards running in this thread; memo
 
 def available() -> bool:
     """Whether vLLM's CPU kernels can be loaded (its CPU build is installed)."""
-    try:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return False
-        current_platform.import_kernels()
-        ops = torch.ops._C
-        return all(hasattr(ops, name) for name in ("rms_norm", "rotary_embedding"))
-    except Exception:  # any import failure means: no vLLM CPU kernels here
-        return False
+    return vllm_kernels.available()
 
 
 def fuse(model: nn.Module) -> int:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.backends.cpu import fused, onednn
+from d3d.backends.cpu import fused, onednn, vllm_kernels
 from d3d.backends.ragged import ragged_attention
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,7 @@ class LeanDecoder:
     """The forward of a Llama-family causal LM over the engine's ragged rows (module docstring)."""
 
     def __init__(self, model: nn.Module):
-        import vllm._custom_ops as ops
-
-        self.ops = ops
+        self.ops = vllm_kernels.ops()
         inner = model.model
         cfg = model.config
         attn = inner.layers[0].self_attn

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from d3d.backends.cpu import vllm_kernels
+
 PAD = 16  # floats of row stride added per thread under a budget other than the handlers'
 
 _made_with: int | None = None  # the thread count the first handler was made under
@@ -30,9 +32,7 @@ _made_with: int | None = None  # the thread count the first handler was made und
 
 def ops() -> Any:
     """vLLM's custom ops module (imported on first use: vLLM is optional)."""
-    import vllm._custom_ops as custom_ops
-
-    return custom_ops
+    return vllm_kernels.ops()
 
 
 def handler(weight_t: torch.Tensor) -> Any:

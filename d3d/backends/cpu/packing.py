@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.backends.cpu import fused, onednn
+from d3d.backends.cpu import fused, onednn, vllm_kernels
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _vllm_handler(w: torch.Tensor) -> Any:
     if not fused.available():
         return None
     try:
-        return onednn.handler(w.t()) if onednn.ops()._supports_onednn else None
+        return onednn.handler(w.t()) if vllm_kernels.supports_onednn() else None
     except (ImportError, AttributeError, RuntimeError) as e:
         log.warning("vLLM's oneDNN matmul handler is unavailable (%s); torch's packing is used", e)
         return None
