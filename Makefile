@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that reverses a string.
 
 .PHONY: setup demo test test-fast lint format bench clean docker-context docker-cpu docker-gpu \
-	docker-gpu-deps docker-lock
+	docker-gpu-deps docker-lock docker-lock-gpu
 
 setup: $(VENV)/.installed
 
@@ -73,6 +73,10 @@ docker-gpu: docker-context
 docker-lock:
 	@{ sed -n '1,3p' docker/lock-runtime.txt; $(BIN)/python docker/requirements.py --freeze pyproject.toml; } \
 	  > docker/lock-runtime.txt.new && mv docker/lock-runtime.txt.new docker/lock-runtime.txt
+
+# The GPU image's lock, from the packages `docker-gpu-deps` just resolved (after a dependency change).
+docker-lock-gpu: docker-gpu-deps
+	$(DOCKER) run --rm --entrypoint cat d3d:gpu-deps /opt/build/gpu.lock > docker/lock-gpu.txt
 
 # The GPU image's packages resolved (no CUDA downloaded): what CI checks.
 docker-gpu-deps: docker-context
