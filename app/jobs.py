@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from app.errors import ApiError
 from app.prepared import Prepared
 from d3d.config import SamplingConfig
+from d3d.model.specs import refusal
 
 if TYPE_CHECKING:
     from d3d.engine import GenRequest
@@ -115,9 +116,9 @@ def check_mode(worker, mode: str) -> None:
     """Refuse with 400 a mode that needs the drafter where speculation is off (the reason
     ``/ready`` gives: no trained drafter for this target, or ``--drafter none``)."""
     info = worker.model_info
-    if mode in ("sync", "async") and info.get("speculation") == "off":
-        reason = info.get("speculation_reason") or "no drafter is loaded"
-        raise ApiError(400, f"mode {mode!r} needs a drafter; speculation is off: {reason}", "mode")
+    why = refusal(mode, info.get("speculation") != "off", info.get("speculation_reason"))
+    if why is not None:
+        raise ApiError(400, why, "mode")
 
 
 def admit(worker) -> None:

@@ -219,7 +219,11 @@ class Engine:
     def proposer(self, mode: str, budget: int | None = None, copy: bool = True) -> Proposer:
         """The proposer of ``mode`` for one request (``budget``: its max new tokens; ``copy``:
         auto may verify copies of the request's own text, :mod:`d3d.decoding.lookup`). ``auto``
-        without a drafter takes plain steps and copy rounds (:mod:`d3d.worker.modes`)."""
+        without a drafter takes plain steps and copy rounds (:mod:`d3d.worker.modes`); ``sync``
+        and ``async`` without one raise :class:`DrafterError` saying why speculation is off."""
+        why = self.speculation.refusal(mode)
+        if why is not None:
+            raise DrafterError(why)
         kit = ModeKit(
             self.host,
             self.target.vocab_size,

@@ -200,7 +200,6 @@ class TargetText:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     spec: str
-    max_positions: int | None  # the config's max_position_embeddings (None: not stated)
 
 
 def load_text(spec: str = "default") -> TargetText:
@@ -217,12 +216,10 @@ def load_text(spec: str = "default") -> TargetText:
             generation = None
     except (OSError, ValueError) as exc:
         raise _load_error(spec, exc) from exc
-    positions = getattr(config, "max_position_embeddings", None)
     return TargetText(
         tokenizer=tok,
         eos_token_ids=frozenset(_end_ids((generation, config), tok)),
         spec=spec,
-        max_positions=int(positions) if positions else None,
     )
 
 

@@ -25,6 +25,17 @@ from d3d.model.load import DEFAULT_SPECS
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 DEFAULT_DRAFTER_DIR = CHECKPOINTS / "smollm2-135m"
 NO_DRAFTER = ("none", "off", "")  # specs that turn speculation off
+DRAFTER_MODES = ("sync", "async")  # the modes that cannot run without a drafter
+
+
+def refusal(mode: str, on: bool, reason: str | None) -> str | None:
+    """Why ``mode`` cannot run where speculation is ``on`` or off for ``reason`` (None: it can).
+    The engine and the service both refuse with this message."""
+    if mode in DRAFTER_MODES and not on:
+        return (
+            f"mode {mode!r} needs a drafter; speculation is off: {reason or 'no drafter is loaded'}"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,10 @@ class Speculation:
     @property
     def on(self) -> bool:
         return self.drafter is not None
+
+    def refusal(self, mode: str) -> str | None:
+        """Why ``mode`` cannot run here (None: it can; :func:`refusal`)."""
+        return refusal(mode, self.on, self.reason)
 
     def to_dict(self) -> dict:
         """The fields ``/ready`` and the log report."""

@@ -81,7 +81,7 @@ def missing() -> list[str]:
     and on vLLM's CPU build the kernels the CPU backend calls. Raises ImportError where vLLM
     is not installed."""
     gaps = missing_touches()
-    if _cpu_platform():
+    if cpu_platform():
         from d3d.backends.cpu import vllm_kernels
 
         gaps += [f"CPU kernel {k}: missing — the CPU backend's fast path" for k in
@@ -117,7 +117,8 @@ def version() -> str:
     return vllm.__version__.split("+")[0]
 
 
-def _cpu_platform() -> bool:
+def cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU build here (False where vLLM is absent)."""
     try:
         from vllm.platforms import current_platform
 

@@ -116,15 +116,6 @@ def _tp_rank() -> int:
         return 0
 
 
-def _cpu_platform() -> bool:
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # vLLM absent (tests of the adapter alone): nothing to guard
-        return False
-
-
 def cores_shared_with_vllm(cores: list[int] | None) -> list[int]:
     """Which of the drafter's ``cores`` (those it was given, else those it inherits from the
     calling thread) vLLM's CPU build computes on too, from the binding it was started with
@@ -166,7 +157,7 @@ class D3DProposer:
         self.stats_server: StatsServer | None = None
         self.totals = DecodeStats(mode="all")
         self.errors = 0
-        self.sampled_speculate = not _cpu_platform()  # see the module docstring
+        self.sampled_speculate = not patches.cpu_platform()  # see the module docstring
         if self.runner is None:
             log.error("D3D proposer: vLLM's model runner not found; no drafts (vLLM changed?)")
         self.paths = plain_steps.install(self.runner)  # None where not installed

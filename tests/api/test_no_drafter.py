@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.settings import ServeSettings
-from d3d.config import ModelConfig
+from d3d.config import DecodeConfig, ModelConfig
 from d3d.engine import Engine
 from d3d.model.drafter import DrafterError
 from d3d.model.specs import DEFAULT_DRAFTER_DIR, speculation
@@ -41,6 +41,15 @@ def test_a_named_drafter_that_cannot_load_is_a_one_line_error(qwen3_dir, tmp_pat
     missing = tmp_path / "qwen3-8b-drafter"
     with pytest.raises(DrafterError, match=f"drafter checkpoint not found: {missing}$"):
         Engine.from_config(ModelConfig(target=str(qwen3_dir), drafter=str(missing)))
+
+
+def test_the_engine_refuses_a_drafter_mode_with_the_same_reason(qwen3_dir):
+    engine = Engine.from_config(ModelConfig(target=str(qwen3_dir)))
+    assert engine.drafter is None and not engine.speculation.on
+    with pytest.raises(DrafterError, match="mode 'sync' needs a drafter; speculation is off: no "
+                       "trained drafter"):  # fmt: skip
+        engine.generate("Say hello.", DecodeConfig(mode="sync", max_new_tokens=4))
+    assert engine.generate("Say hello.", DecodeConfig(mode="ar", max_new_tokens=4)).token_ids
 
 
 @pytest.fixture(scope="module")
