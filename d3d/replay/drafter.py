@@ -129,7 +129,7 @@ class ReplayDrafter:
         return ReplayLink(link, self)
 
     def server(self, cfg: ServerConfig | None = None) -> ReplayServer:
-        """What the drafter worker runs (:func:`d3d.worker.server.server_for`)."""
+        """What the drafter worker runs (:func:`d3d.worker.workers.server_for`)."""
         return ReplayServer(self, cfg)
 
 

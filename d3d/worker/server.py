@@ -301,21 +301,3 @@ class DraftServer(MessageServer):
             sess.cached_ids = sess.committed + drafts[:m]
         if not reads:
             self.budget.observe_cost(len(outcomes), self.clock() - t0)
-
-
-def server_for(drafter: Any, cfg: ServerConfig | None = None) -> MessageServer:
-    """What a worker runs for ``drafter``: a :class:`DraftServer`, unless the drafter brings a
-    server of its own (the replay instrument's, :mod:`d3d.replay`), which reads and answers the
-    same messages, or the cuda backend readied it for packed drafting
-    (:class:`~d3d.worker.packed.PackedDraftServer`)."""
-    own = getattr(drafter, "server", None)
-    if callable(own):
-        return own(cfg)
-    from d3d.backends.cuda.drafter import plan_of
-
-    plan = plan_of(drafter)
-    if plan is not None:  # the cuda backend's packed drafting (d3d.worker.packed)
-        from d3d.worker.packed import PackedDraftServer
-
-        return PackedDraftServer(drafter, cfg, plan=plan)
-    return DraftServer(drafter, cfg)

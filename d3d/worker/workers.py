@@ -38,11 +38,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
+from d3d.worker.packed import PackedDraftServer
 from d3d.worker.protocol import CODEC, Beat, Block, Failed, Ready, Stop
-from d3d.worker.server import MessageServer, ServerConfig, server_for
+from d3d.worker.server import DraftServer, MessageServer, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,22 @@ def pin_process(
 
 def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def server_for(drafter: Any, cfg: ServerConfig | None = None) -> MessageServer:
+    """What a worker runs for ``drafter``: a :class:`DraftServer`, unless the drafter brings a
+    server of its own (the replay instrument's, :mod:`d3d.replay`), which reads and answers the
+    same messages, or the cuda backend readied it for packed drafting
+    (:class:`~d3d.worker.packed.PackedDraftServer`)."""
+    own = getattr(drafter, "server", None)
+    if callable(own):
+        return own(cfg)
+    from d3d.backends.cuda.drafter import plan_of
+
+    plan = plan_of(drafter)
+    if plan is not None:  # the cuda backend's packed drafting (d3d.worker.packed)
+        return PackedDraftServer(drafter, cfg, plan=plan)
+    return DraftServer(drafter, cfg)
 
 
 class WorkerClient:

@@ -21,7 +21,8 @@ from d3d.worker.branches import choose_branches, choose_rows
 from d3d.worker.drafting import draft_branches
 from d3d.worker.packed import PackedDraftServer
 from d3d.worker.protocol import Block, Commit, Commits, Open
-from d3d.worker.server import DraftServer, ServerConfig, server_for
+from d3d.worker.server import DraftServer, ServerConfig
+from d3d.worker.workers import server_for
 from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_engine, tiny_model
 
 BK = 5  # block size of the tiny drafters: K = 4 drafts

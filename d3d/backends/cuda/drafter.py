@@ -19,7 +19,7 @@ packed forward, captured per shape.
   takes the tokens back in one copy.
 
 :func:`mark` is how the cuda backend tells the worker, through ``prepare_drafter``, to draft
-this way (:func:`d3d.worker.server.server_for` reads :func:`plan_of`).
+this way (:func:`d3d.worker.workers.server_for` reads :func:`plan_of`).
 
 Letters: R rows in a step, B slots bucket, T tokens a row, W chain width, nb blocks a row, Bk
 block size, K = Bk-1, C a slot's capacity, n keys attended, V_d draft vocabulary, H hidden.
