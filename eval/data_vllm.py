@@ -4,7 +4,7 @@ One process, the same prompts (spread over the shared general prompt set: code, 
 questions, instructions, word problems), greedy answers, the same batch size:
 
 1. the own engine's scheduler (:class:`d3d.training.responses.EngineResponder`);
-2. vLLM (:class:`d3d.vllm.data.VllmResponder`; eager on a CPU).
+2. vLLM (:class:`d3d.training.vllm_responses.VllmResponder`; eager on a CPU).
 
 Both write their records through :func:`d3d.training.responses.generate_data`; the report counts
 the records that are equal field for field, and gives each path's decoding time (what
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="eval/results/data_vllm.json")
     p.add_argument("--compile", action="store_true", help="vLLM compiled (default: eager)")
     args = p.parse_args(argv)
-    from d3d.vllm.data import VllmResponder
+    from d3d.training.vllm_responses import VllmResponder
 
     prompts = mixed_prompts(args.n, args.source)
     cfg = DataConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch,

@@ -3,7 +3,7 @@
 Thin: flags into :class:`~d3d.training.responses.DataConfig` and a responder, then
 :func:`~d3d.training.responses.generate_data`. ``--engine own`` decodes with the engine's
 scheduler (under torchrun, one shard per process and GPU); ``--engine vllm`` with vLLM
-(:mod:`d3d.vllm.data`), and ``--gpus N`` then starts N processes, one per GPU (each sees only its
+(:mod:`d3d.training.vllm_responses`), and ``--gpus N`` then starts N processes, one per GPU (each sees only its
 own, ``CUDA_VISIBLE_DEVICES``) writing shard i of N: vLLM runs its own processes and does not
 run under torchrun. ``--text-source`` writes teacher-forced records instead (no generation).
 """
@@ -50,7 +50,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     if rank.enabled and mcfg.target_device.startswith("cuda"):  # torchrun: a shard per GPU
         mcfg = dataclasses.replace(mcfg, target_device=f"cuda:{rank.local_rank}")
     if args.engine == "vllm":
-        from d3d.vllm.data import VllmResponder
+        from d3d.training.vllm_responses import VllmResponder
 
         eager = args.vllm_eager or not mcfg.target_device.startswith("cuda")
         source = VllmResponder(mcfg, cfg.batch_size, eager=eager)

