@@ -156,7 +156,10 @@ def test_chat_logprobs_are_the_penalised_distribution(client, srv):
             "ignore_eos": True}  # fmt: skip
     streamed = [e for c in stream_chunks(srv, body) for ch in c["choices"]
                 for e in ((ch.get("logprobs") or {}).get("content") or [])]  # fmt: skip
-    assert [(e["token"], e["logprob"]) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # Tokens are exact; log-probabilities agree to float rounding (a streamed request may share a
+    # step with other rows, and a batched forward rounds differently).
+    assert [e["token"] for e in streamed] == [e.token for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
     assert chat(client, max_tokens=4).choices[0].logprobs is None
 
 
