@@ -28,14 +28,13 @@ log = logging.getLogger("app.worker")
 
 
 class Models:
-    """What a job's prompt builder may use: the engine, and the document compressors (built on
-    first use, then shared by every request; their tokenizer is their own)."""
+    """What a job's prompt builder may use: ``engine`` (the own engine, or beside vLLM the
+    target's :class:`~d3d.model.load.TargetText`: a tokenizer and ``encode``), and the document
+    reader that ``documents`` builds on first use (then shared by every request)."""
 
-    def __init__(
-        self, engine, doc_cache_dir: str | None = None, doc_cache_max_bytes: int = 8 << 30
-    ):
+    def __init__(self, engine, documents: Callable[[], object]):
         self.engine = engine
-        self.doc_cache_dir, self.doc_cache_max_bytes = doc_cache_dir, doc_cache_max_bytes
+        self._make_documents = documents
         self._documents = None
         self._lock = threading.Lock()
         self.prompt_lock = threading.Lock()  # the engine's tokenizer: one prompt at a time
@@ -44,11 +43,7 @@ class Models:
     def documents(self):
         with self._lock:
             if self._documents is None:
-                from app.documents import Documents
-
-                self._documents = Documents(
-                    self.engine, self.doc_cache_dir, self.doc_cache_max_bytes
-                )
+                self._documents = self._make_documents()
             return self._documents
 
 

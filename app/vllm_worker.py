@@ -9,15 +9,17 @@ routes, ``/metrics`` and the page are unchanged. What differs:
   worker on the drafter's device). Each request's mode travels as ``extra_args["d3d_mode"]``;
   a request is abandoned (client gone, timeout, stop string) by cancelling its task, which
   aborts it in vLLM.
-- Prompts are built as on the own engine (:func:`~app.worker.build_prompt`): chat prompts on a
-  prompt thread, documents on a reader thread kept on the drafter's CPU cores, both with the
-  same compression models as the own engine (a target and drafter loaded for reading, on the
-  drafter's device), so a ``/qa`` kept prompt is the own engine's.
+- This process holds no model: the target's tokenizer and configs only
+  (:func:`~d3d.model.load.load_text`). Prompts are built as on the own engine
+  (:func:`~app.worker.build_prompt`): chat prompts on a prompt thread; a ``/qa`` document is
+  read by the drafter worker, on the drafter's device, beside its drafting
+  (:mod:`d3d.worker.reading`, :class:`~app.documents.WorkerReader`), so the drafter exists once
+  and a kept prompt is the own engine's; without a drafter, the lexical scorers read here.
 - Per-request speculative figures (drafts, acceptance, branch hits and misses) come from the
   proposer over its Unix socket (:mod:`d3d.vllm.stats`), as does the drafter worker's state;
   ``/metrics`` adds vLLM's own metrics (``vllm:spec_decode_*``).
 
-Models load on a thread at start (the reading models, then vLLM's engine); the warm-up runs on
+The tokenizer and vLLM's engine load on a thread at start; the warm-up runs on
 the event loop (vLLM's output handler lives there): it waits for the drafter worker, then sends
 short ``ar`` and ``sync`` requests and one ``auto`` request alone (the proposer's policy learns
 the host's costs from rows that run alone).
@@ -34,8 +36,8 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
+from app.documents import Documents, RemoteDocuments, WorkerReader
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.prepared import Prepared
@@ -44,11 +46,15 @@ from app.vllm_requests import STOP_REASONS, sampling_params, token_logprobs
 from app.worker import Job, Models, admit, build_prompt, check_mode
 from d3d.backends.sizes import kv_bytes_per_token
 from d3d.config import SamplingConfig
+from d3d.model.load import TargetText, load_text
 from d3d.model.specs import speculation
-from d3d.vllm import VLLM_VERSION, private
+from d3d.vllm import VLLM_VERSION
 from d3d.vllm.engine import engine_args, on_vllm_cores, prepare_env, speculative_config
 from d3d.vllm.proposer import worker_cores
 from d3d.vllm.stats import StatsClient, StatsPoller
+from d3d.worker import private
+from d3d.worker.codec import import_name
+from d3d.worker.reading import ReadClient, ReaderSpec
 
 log = logging.getLogger("app.vllm")
 
@@ -69,7 +75,8 @@ class VllmWorker:
     def __init__(self, settings: ServeSettings, metrics: Metrics, engine_factory=None):
         self.settings, self.metrics = settings, metrics
         self.state, self.error = "loading", ""
-        self.engine = None  # the reading models (compression) and the tokenizer
+        self.text: TargetText | None = None  # the tokenizer and configs (no weights)
+        self.reading: ReadClient | None = None  # documents read in the drafter worker
         self.models: Models | None = None
         self.detokenizer = None
         self.llm = None
@@ -109,9 +116,8 @@ class VllmWorker:
                 self.llm.shutdown()
         self._prompts.shutdown(wait=False, cancel_futures=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
-        if self.engine is not None:
-            with contextlib.suppress(Exception):
-                self.engine.close()
+        if self.reading is not None:
+            self.reading.close()
         self.stats.close()
         private.remove(self.run_dir)
 
@@ -158,11 +164,26 @@ class VllmWorker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from d3d.engine import Engine
-
         t0 = time.perf_counter()
         s, cfg = self.settings, self.settings.model
-        prepare_env(cfg, mode="auto", stats_path=self.stats_path)
+        drafter = speculative_config(cfg) is not None
+        # No weights here: the tokenizer and configs only. Documents are read by the drafter
+        # worker, on the drafter's device (app.documents.WorkerReader), where the one drafter is.
+        self.text = text = load_text(cfg.target)
+        reader = None
+        if drafter:
+            path = os.path.join(self.run_dir, "read.sock")
+            fields = {
+                "target": cfg.target,
+                "cache_dir": s.doc_cache_dir,
+                "cache_max_bytes": s.doc_cache_max_bytes,
+            }
+            reader = ReaderSpec(import_name(WorkerReader), fields, path)
+            self.reading = ReadClient(path)
+            docs = lambda: RemoteDocuments(self.reading, text.tokenizer)  # noqa: E731
+        else:  # no drafter anywhere: the lexical scorers, here
+            docs = lambda: Documents.without_models(text, s.doc_cache_dir, s.doc_cache_max_bytes)  # noqa: E731
+        prepare_env(cfg, mode="auto", stats_path=self.stats_path, reader=reader)
         args = engine_args(
             cfg,
             served_name=s.served_model_name or "default",
@@ -170,19 +191,15 @@ class VllmWorker:
             eager=s.vllm_eager,
             kv_bytes=None,
         )
-        drafter = speculative_config(cfg) is not None
-        # The reading models (compression, tokenizer) on the drafter's device: never the target's.
-        reading = replace(cfg, target_device=cfg.resolved_drafter_device, max_kv_tokens=None)
-        self.engine = Engine.from_config(reading, with_drafter=drafter)
         if cfg.max_kv_tokens:  # the same budget in vLLM's unit (bytes of its KV dtype)
-            per_token = kv_bytes_per_token(self.engine.target.model.config, _dtype(args["dtype"]))
+            per_token = kv_bytes_per_token(text.config, _dtype(args["dtype"]))
             args["kv_cache_memory_bytes"] = cfg.max_kv_tokens * per_token
         log.info("vLLM engine arguments: %s", args)
         with on_vllm_cores(cfg):  # vLLM's processes stay off a drafter's own cores
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-        self.models = Models(self.engine, s.doc_cache_dir, s.doc_cache_max_bytes)
-        self.detokenizer = copy.deepcopy(self.engine.tokenizer)
-        self.eos = set(self.engine.target.eos_token_ids)
+        self.models = Models(text, docs)
+        self.detokenizer = copy.deepcopy(text.tokenizer)
+        self.eos = set(text.eos_token_ids)
         vc = self.llm.vllm_config
         self._info = {
             "engine": "vllm",
@@ -196,6 +213,7 @@ class VllmWorker:
             if drafter
             else None,
             "block_size": 16 if drafter else None,
+            "reading": "drafter worker" if drafter else "api process (no model)",
             **speculation(cfg.drafter, cfg.target).to_dict(),
             "max_kv_tokens": cfg.max_kv_tokens,
             "load_seconds": round(time.perf_counter() - t0, 2),
@@ -215,7 +233,7 @@ class VllmWorker:
                 # ar and sync prove both paths; auto alone, long enough to time a plain step
                 # and a speculative round, gives the proposer's policy its host costs (it
                 # measures them only on rows that run alone).
-                ids = self.engine.encode("Write a short story about a lighthouse keeper.", True)
+                ids = self.text.encode("Write a short story about a lighthouse keeper.", True)
                 runs = [("ar", 8)] + (
                     [("sync", 8), ("auto", 48)] if self._info.get("drafter") else []
                 )

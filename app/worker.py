@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
+from app.documents import Documents
 from app.errors import ApiError
 from app.jobs import Job, Models, admit, build_prompt, check_mode
 from app.metrics import Metrics
@@ -171,7 +172,10 @@ class EngineWorker:
     def _load(self) -> None:
         t0 = time.perf_counter()
         engine = self.engine = self.engine_factory(self.settings)
-        self.models = Models(engine, self.settings.doc_cache_dir, self.settings.doc_cache_max_bytes)
+        s = self.settings
+        self.models = Models(
+            engine, lambda: Documents.for_engine(engine, s.doc_cache_dir, s.doc_cache_max_bytes)
+        )
         # The event loop decodes text with its own copy: a Rust tokenizer borrowed by the worker
         # thread (encoding) cannot be used from another thread at the same moment.
         self.detokenizer = copy.deepcopy(engine.tokenizer)

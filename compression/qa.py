@@ -1,17 +1,16 @@
 """Document question answering: compress the document, then answer with the engine.
 
 :class:`DocumentQA` is the one object ``d3d qa``, the LongBench sweep and the web service hold:
-it owns an engine, builds each compressor once (every drafter-reading scorer shares one
-attention reader) and owns the :class:`~compression.doc_cache.DocumentCache`, so a second
-question about the same document skips the reader's document pass. The document is the
+a :class:`~compression.document_reader.DocumentReader` (each compressor built once, the document
+cache, so a second question about the same document skips the reader's document pass) with an
+engine that answers. The document is the
 context of a prompt template, the question its ``{input}``; the compressor keeps ``keep_ratio``
 of the document's tokens, instruction and question whole; the target then answers from the kept
 prompt with the engine's decoding mode (lossless).
 
 Timings (:class:`Timings`) are per stage, and ``total_s`` has one definition everywhere: the
 sum of tokenising, compressing (segmentation, scoring, selection), the target's prefill and
-decoding, with models already loaded. A lock serialises requests: the reader's query pass
-switches the reader's attention implementation and writes to a shared document cache.
+decoding, with models already loaded. The reader's lock serialises requests.
 """
 
 from __future__ import annotations
@@ -19,33 +18,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
-from compression.compressor import (
-    ATTENTION_SCORERS,
-    DRAFTER_SCORERS,
-    QUESTION_SCORERS,
-    Compressed,
-    CompressionConfig,
-    Compressor,
-)
+from compression.compressor import ATTENTION_SCORERS, Compressed, CompressionConfig
 from compression.doc_cache import DocumentCache
-from compression.drafter_scorers import DrafterAttentionScorer
-from compression.presets import attention_preset, make_attention_scorer, resolve_scorer
-from compression.prompt import PromptParts, build_parts
-from compression.question_scorer import DrafterQuestionScorer
+from compression.document_reader import QA_TEMPLATE, DocumentReader
+from compression.prompt import PromptParts
 from d3d.config import DecodeConfig
 from d3d.decoding.stats import DecodeStats
 from d3d.engine import Engine, Generation
 
 log = logging.getLogger(__name__)
-
-QA_TEMPLATE = (
-    "Read the document below and answer the question that follows.\n\n{context}\n\n"
-    "Answer the question based on the document above. Only give me the answer and do not "
-    "output any other words.\n\nQuestion: {input}\nAnswer:"
-)
 
 
 @dataclass(frozen=True)
@@ -90,7 +74,7 @@ class QAResult:
         }
 
 
-class DocumentQA:
+class DocumentQA(DocumentReader):
     """An engine, its compressors (built once) and the document cache; see the module docstring.
 
     ``cfg`` gives the default scorer, keep ratio and segmentation; ``cfg.attention=None`` takes
@@ -109,89 +93,15 @@ class DocumentQA:
         """``tokenizer``: one of its own (a thread other than the engine's reads documents);
         default the engine's."""
         self.engine = engine
-        self._tokenizer = tokenizer
-        cfg = cfg or CompressionConfig()
-        if cfg.attention is None:
-            spec = target_spec or engine.target.spec
-            cfg = replace(cfg, attention=attention_preset(spec, engine.drafter))
-        self.cfg = cfg
-        self.cache = cache if cache is not None else DocumentCache()
-        self.template = template
-        self._attention: DrafterAttentionScorer | None = None
-        self._question: DrafterQuestionScorer | None = None
-        self._compressors: dict[str, Compressor] = {}
-        self.lock = threading.RLock()
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer if self._tokenizer is not None else self.engine.tokenizer
-
-    def attention(self) -> DrafterAttentionScorer:
-        """The one attention reader (built on first use), wired to the document cache."""
-        if self._attention is None:
-            att = make_attention_scorer(
-                self.cfg.attention, self.engine.drafter, self.engine.target.model
-            )
-            att.cache = self.cache
-            self._attention = att
-        return self._attention
-
-    def question(self) -> DrafterQuestionScorer:
-        """The one question-likelihood reader (built on first use), wired to the document cache."""
-        if self._question is None:
-            self._question = DrafterQuestionScorer(
-                self.engine.drafter, self.tokenizer, quantize=self.cfg.question_int8
-            )
-            self._question.cache = self.cache
-        return self._question
-
-    def resolve(self, scorer: str | None = None) -> str:
-        """The scorer a name stands for with this engine (``auto`` picks by reading cost)."""
-        return resolve_scorer(
-            scorer or self.cfg.scorer, self.engine.drafter, self.engine.target.model
+        super().__init__(
+            engine.drafter,
+            engine.target.model,
+            target_spec or engine.target.spec,
+            tokenizer if tokenizer is not None else engine.tokenizer,
+            cfg,
+            cache,
+            template,
         )
-
-    def compressor(self, scorer: str | None = None) -> Compressor:
-        """The compressor for ``scorer`` (default: the configured one), built once."""
-        name = self.resolve(scorer)
-        if name not in self._compressors:
-            cfg = replace(self.cfg, scorer=name)
-            if name in DRAFTER_SCORERS and self.engine.drafter is None:
-                raise ValueError(f"scorer {name!r} needs a drafter")
-            att = self.attention() if name in ATTENTION_SCORERS else None
-            question = self.question() if name in QUESTION_SCORERS else None
-            self._compressors[name] = Compressor.build(
-                cfg, self.tokenizer, self.engine.drafter, self.engine.target.model, att, question
-            )
-        return self._compressors[name]
-
-    def parts(
-        self,
-        document: str,
-        question: str,
-        template: str | None = None,
-        chat_template: bool = True,
-        template_vars: Mapping[str, object] | None = None,
-    ) -> PromptParts:
-        """The QA prompt's parts; ``template_vars`` reach the chat template (non-thinking
-        unless they set ``enable_thinking``)."""
-        if not document.strip():
-            raise ValueError("the document is empty")
-        if not question.strip():
-            raise ValueError("the question is empty")
-        return build_parts(
-            self.tokenizer,
-            template or self.template,
-            document,
-            chat_template=chat_template,
-            template_vars=template_vars,
-            input=question,
-        )
-
-    def prompt_text(self, result: QAResult) -> str:
-        """The exact prompt the target read for ``result`` (the kept prompt, special tokens and
-        the chat template's think block included)."""
-        return self.tokenizer.decode(list(result.compression.parts.ids), skip_special_tokens=False)
 
     def overlap(self, scorer: str | None = None) -> bool:
         """Whether the target may encode the document's head while ``scorer`` reads: always,
@@ -212,19 +122,8 @@ class DocumentQA:
     def forget(self) -> None:
         """Empty the document cache (both tiers) and the target's prefix cache (a cold first
         question)."""
-        self.cache.clear()
-        self.cache.clear_disk()
+        super().forget()
         self.engine.prefix_cache.clear()
-
-    def is_cached(self, parts: PromptParts, scorer: str | None = None) -> bool:
-        """Whether the reader's pass over this document is in the cache."""
-        return self.compressor(scorer).has_read(parts)
-
-    def compress(
-        self, parts: PromptParts, keep_ratio: float | None = None, scorer: str | None = None
-    ) -> Compressed:
-        with self.lock:
-            return self.compressor(scorer).compress(parts, keep_ratio)
 
     def answer_parts(
         self,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -200,6 +200,11 @@ class TargetText:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     spec: str
+    config: PretrainedConfig | None = None  # the model config (shapes, window): no weights
+
+    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
+        """A user prompt's ids, as the engine encodes it (:func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, chat_template)
 
 
 def load_text(spec: str = "default") -> TargetText:
@@ -220,6 +225,7 @@ def load_text(spec: str = "default") -> TargetText:
         tokenizer=tok,
         eos_token_ids=frozenset(_end_ids((generation, config), tok)),
         spec=spec,
+        config=config,
     )
 
 

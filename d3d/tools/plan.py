@@ -21,7 +21,15 @@ without storage, no weights, no download — and counted in the chosen dtype
   logits over the K = B-1 slots of each block, V_d wide (``--draft-vocab``; 0: all of V).
   Attention scores are taken as never materialised (flash / memory-efficient kernels).
 - **Peak per device**: weights + KV + workspaces of everything on it (drafting runs while the
-  target verifies, so both workspaces count).
+  target verifies, so both workspaces count; a ``/qa`` document read by the drafter, about 1.5
+  rows a token with the question scorer's copies, runs beside drafting and counts too).
+- **Processes** (``--engine``): the own engine is one process (the drafter a thread of it on a
+  GPU, a process of its own on CPU cores); beside vLLM there are three: the API process (the
+  tokenizer, no weights), vLLM's engine core (the target; its KV pool is ``--max-kv-tokens``
+  worth when the service is given that, else 90% of the device) and the drafter worker (the
+  drafter, which never shares the target's tensors there, and the ``/qa`` reading). On a GPU the
+  drafter's KV is the packed drafter's slot pool, allocated at its start
+  (:data:`d3d.backends.cuda.drafter.KV_TOKENS` positions).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from d3d.backends.cuda.drafter import KV_TOKENS as DRAFTER_KV_TOKENS
 from d3d.backends.sizes import dtype_bytes, kv_bytes_per_token
 from d3d.model import shapes
 from d3d.model.load import resolve_dtype
@@ -42,6 +51,8 @@ from d3d.model.skeleton import meta_lm
 from d3d.model.specs import self_layers
 
 GIB = 2**30
+QUESTION_ROWS = 1.5  # rows the question scorer runs per document token (its question copies)
+ENGINES = ("own", "vllm")
 
 
 class PlanError(ValueError):
@@ -71,12 +82,16 @@ class PlanSettings:
     draft_vocab: int = 0
     device: str = "cuda:0"
     drafter_device: str | None = None
+    engine: str = "own"  # own: one process; vllm: vLLM's engine core and a drafter worker
+    document_tokens: int = 0  # a /qa document the drafter reads (0: --max-kv-tokens)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise PlanError(f"engine: one of {', '.join(ENGINES)}, got {self.engine!r}")
         for name in ("batch", "max_kv_tokens", "rows"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("prefill_chunk", "branches", "draft_vocab"):
+        for name in ("prefill_chunk", "branches", "draft_vocab", "document_tokens"):
             if getattr(self, name) < 0:
                 raise PlanError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.block_size < 2:
@@ -121,6 +136,31 @@ class Plan:
             d["peak"] = d["weights"] + d["kv"] + d["workspace"]
         return out
 
+    def processes(self) -> list[dict]:
+        """Every process the service runs, what it holds and on which device (bytes: weights,
+        KV and workspace there; the API process beside vLLM holds no model)."""
+        t, d, s = self.target, self.drafter, self.settings
+
+        def total(p: Part) -> int:
+            return p.weight_bytes + p.kv_bytes + p.workspace_bytes
+
+        if s.engine == "vllm":
+            return [
+                {"process": "d3d serve (API)", "device": "cpu", "holds": "tokenizer, no weights",
+                 "bytes": 0},
+                {"process": "vLLM engine core", "device": t.device,
+                 "holds": "target: weights, KV pool, workspace", "bytes": total(t)},
+                {"process": "drafter worker", "device": d.device,
+                 "holds": "drafter: weights, slot KV, branches + /qa reading", "bytes": total(d)},
+            ]  # fmt: skip
+        own = {"process": "d3d serve (API + engine)", "device": t.device,
+               "holds": "target: weights, KV, workspace", "bytes": total(t)}  # fmt: skip
+        where = "drafter worker" if d.device.startswith("cpu") else "d3d serve (API + engine)"
+        what = "drafter (layers shared)" if d.device == t.device else "drafter"
+        drafter = {"process": where, "device": d.device,
+                   "holds": f"{what}: weights, KV, branches + /qa reading", "bytes": total(d)}  # fmt: skip
+        return [own, drafter]
+
     def to_dict(self) -> dict:
         return {
             "settings": asdict(self.settings),
@@ -129,6 +169,7 @@ class Plan:
             "devices": {
                 dev: {f"{k}_bytes": v for k, v in d.items()} for dev, d in self.devices().items()
             },
+            "processes": self.processes(),
         }
 
     def table(self) -> str:
@@ -152,6 +193,17 @@ class Plan:
                 )
         for dev, v in self.devices().items():
             lines.append(f"| **peak** | {dev} | {v['peak']:,} | **{v['peak'] / GIB:.2f}** | |")
+        lines += ["", "| process | device | holds | GiB |", "|---|---|---|---:|"]
+        for p in self.processes():
+            lines.append(
+                f"| {p['process']} | {p['device']} | {p['holds']} | {p['bytes'] / GIB:.2f} |"
+            )
+        if s.engine == "vllm":
+            lines.append(
+                "\nvLLM sizes its KV pool to --max-kv-tokens when the service is given one "
+                "(kv_cache_memory_bytes); otherwise it takes 90% of the target's device "
+                "(gpu_memory_utilization) and the KV line above is the least it needs."
+            )
         lines.append(
             f"\nKV bytes a token: target {t.kv_bytes_per_token:,}, drafter {d.kv_bytes_per_token:,}"
             f"; at {s.max_kv_tokens:,} tokens: {t.kv_bytes_at_max / GIB:.2f} / "
@@ -215,7 +267,9 @@ def _drafter_part(target: PreTrainedModel, s: PlanSettings) -> Part:
              model.get_input_embeddings(), model.get_output_embeddings()]
         )  # fmt: skip
         params = sum(p.numel() for p in mine.parameters())
-        shared = dev == s.device  # the engine's drafter runs on the target's own tensors
+        # The own engine's drafter runs on the target's own tensors; beside vLLM the drafter
+        # is in a process of its own and holds its layers wherever it is.
+        shared = dev == s.device and s.engine == "own"
         weights = 0 if shared else param_bytes(mine)  # a tied head once
         how = "layers shared with the target" if shared else f"{n} layers, norm, embeddings, head"
     else:  # a model of its own
@@ -237,7 +291,12 @@ def _drafter_part(target: PreTrainedModel, s: PlanSettings) -> Part:
     logits = s.rows * s.branches * k * v_d * (b + 4)
     branch = fwd_rows * act + mask + logits
     prompt = (s.prefill_chunk or s.max_kv_tokens) * act + v_d * (b + 4)
+    doc = s.document_tokens or s.max_kv_tokens
+    reading = int(doc * QUESTION_ROWS) * act  # beside drafting: both count
     per, at_max, kv, kv_note = _kv(cfg, dtype, n, s)
+    if dev.startswith("cuda"):  # the packed drafter's slot KV, allocated at the worker's start
+        kv = per * DRAFTER_KV_TOKENS
+        kv_note = f"{per:,} B/token x {DRAFTER_KV_TOKENS:,} slot positions (all rows, at start)"
     return Part(
         name=name,
         device=dev,
@@ -248,14 +307,16 @@ def _drafter_part(target: PreTrainedModel, s: PlanSettings) -> Part:
         kv_bytes_per_token=per,
         kv_bytes_at_max=at_max,
         kv_bytes=kv,
-        workspace_bytes=max(branch, prompt),
+        workspace_bytes=max(branch, prompt) + reading,
         notes={
             "weight_bytes": f"{how} + mask embedding"
             + (f" + {v_d:,} draft-vocabulary head rows" if s.draft_vocab else ""),
             "kv_bytes": kv_note,
             "workspace_bytes": f"max(branch forward {branch:,}: {fwd_rows} rows, mask, "
-            f"{s.rows} x {s.branches} x {k} x {v_d:,} logits; prompt {prompt:,})",
+            f"{s.rows} x {s.branches} x {k} x {v_d:,} logits; prompt {prompt:,}) + /qa reading "
+            f"{reading:,} ({doc:,} document tokens x {QUESTION_ROWS} rows, beside drafting)",
             "branch_workspace_bytes": branch,
+            "reading_workspace_bytes": reading,
         },
     )
 
@@ -281,6 +342,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
         device=args.device,
         drafter_device=args.drafter_device,
+        engine=args.engine,
+        document_tokens=args.document_tokens,
     )
     plan = make_plan(s)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
@@ -311,5 +374,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary (0: all)")
     p.add_argument("--device", default="cuda:0", help="the target's device")
     p.add_argument("--drafter-device", default=None, help="the drafter's (default: --device)")
+    p.add_argument(
+        "--engine",
+        default="own",
+        choices=ENGINES,
+        help="own: one process; vllm: vLLM's engine core holds the target, a drafter worker the "
+        "drafter (never sharing the target's tensors) and the API process no model",
+    )
+    p.add_argument(
+        "--document-tokens",
+        type=int,
+        default=0,
+        help="a /qa document's tokens (0: --max-kv-tokens)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_plan)

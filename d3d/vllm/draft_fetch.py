@@ -29,7 +29,7 @@ cannot be read (not written yet, gone) counts as "drafted" (the round trip happe
 could only cost a step its drafts, never an answer.
 
 The flag lies in the server's private folder beside the statistics socket
-(:mod:`d3d.vllm.private`), never in ``/tmp`` itself: both sides refuse a flag whose folder
+(:mod:`d3d.worker.private`), never in ``/tmp`` itself: both sides refuse a flag whose folder
 another user could enter, the writer makes a new file there (``O_EXCL``, mode 0600) and neither
 side follows a symlink (``O_NOFOLLOW``).
 """
@@ -40,7 +40,8 @@ import contextlib
 import logging
 import os
 
-from d3d.vllm import patches, private
+from d3d.vllm import patches
+from d3d.worker import private
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ default placement (the drafter on the last core, shared) keeps vLLM on every cor
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from d3d.engine.placement import resolve_placement
 from d3d.model.load import DEFAULT_SPECS, embedded_default_dir, hub_source
 from d3d.model.specs import speculation
 from d3d.vllm import PROPOSER, draft_fetch
+from d3d.worker.reading import READER_ENV, ReaderSpec
 
 FLAG = "drafted"  # the draft flag's name, in the statistics socket's private folder
 
@@ -95,9 +97,19 @@ def engine_args(
     return args
 
 
-def prepare_env(cfg: ModelConfig, mode: str = "auto", stats_path: str | None = None) -> None:
-    """Set what the proposer reads in vLLM's runner process, and vLLM's CPU defaults."""
+def prepare_env(
+    cfg: ModelConfig,
+    mode: str = "auto",
+    stats_path: str | None = None,
+    reader: ReaderSpec | None = None,
+) -> None:
+    """Set what the proposer reads in vLLM's runner process, and vLLM's CPU defaults;
+    ``reader``: its drafter worker also reads the service's documents."""
     env = os.environ
+    if reader is not None:
+        env[READER_ENV] = json.dumps(reader.to_dict())
+    else:
+        env.pop(READER_ENV, None)
     env["D3D_TARGET"] = cfg.target
     env["D3D_DRAFTER"] = cfg.drafter
     env["D3D_DTYPE"] = cfg.dtype
@@ -105,7 +117,7 @@ def prepare_env(cfg: ModelConfig, mode: str = "auto", stats_path: str | None = N
     if cfg.drafter_device:
         env["D3D_DRAFTER_DEVICE"] = cfg.drafter_device
     # The draft flag lies beside the statistics socket, in the caller's private folder
-    # (d3d.vllm.private); without one, vLLM keeps its draft round trip after every step.
+    # (d3d.worker.private); without one, vLLM keeps its draft round trip after every step.
     if stats_path:
         env["D3D_VLLM_STATS"] = stats_path
         env[draft_fetch.ENV] = os.path.join(os.path.dirname(os.path.abspath(stats_path)), FLAG)

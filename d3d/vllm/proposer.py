@@ -41,13 +41,17 @@ answer: the proposer returns no draft for it, and any error inside this adapter 
 for the step. With tensor parallelism only rank 0 drafts (vLLM takes the drafts from it).
 ``D3D_VLLM_STATS`` (a socket path) serves per-request and total figures to the server
 (:mod:`d3d.vllm.stats`); ``D3D_BRANCHES`` fixes the branches per round (default: as many as fit
-in the verification); ``D3D_WORKER_HANG_S``: a worker silent this long is replaced (5). The target's spec for the drafter is ``D3D_TARGET`` (default: the
-model vLLM serves); the drafter is ``D3D_DRAFTER`` (default: ``default``).
+in the verification); ``D3D_WORKER_HANG_S``: a worker silent this long is replaced (5);
+``D3D_READER`` (JSON, :class:`~d3d.worker.reading.ReaderSpec`): the worker also reads the
+service's ``/qa`` documents, so that the drafter exists once. The target's spec for the drafter
+is ``D3D_TARGET`` (default: the model vLLM serves); the drafter is ``D3D_DRAFTER`` (default:
+``default``).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -63,6 +67,7 @@ from d3d.vllm.rows import RequestRows, RowView
 from d3d.vllm.stats import StatsServer
 from d3d.worker.modes import MODES, ModeKit
 from d3d.worker.proposer import BatchedLink
+from d3d.worker.reading import READER_ENV, ReaderSpec
 from d3d.worker.server import ServerConfig
 from d3d.worker.supervisor import Supervisor, SupervisorConfig
 from d3d.worker.workers import ProcessWorker, available_cores
@@ -79,6 +84,7 @@ class ProposerSettings:
     copy: bool = True
     hang_s: float = 5.0
     branches: int | None = None  # a fixed number of branches per round (None: the budget's)
+    reader: ReaderSpec | None = None  # the worker reads the service's documents too
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,7 +105,17 @@ class ProposerSettings:
             copy=env.get("D3D_COPY", "1").strip().lower() not in ("0", "false", "no", "off"),
             hang_s=float(env.get("D3D_WORKER_HANG_S", "5")),
             branches=int(env["D3D_BRANCHES"]) if env.get("D3D_BRANCHES") else None,
+            reader=_reader_spec(env.get(READER_ENV)),
         )
+
+
+def _reader_spec(text: str | None) -> ReaderSpec | None:
+    if not text:
+        return None
+    try:
+        return ReaderSpec.from_dict(json.loads(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{READER_ENV}: not a reader spec ({exc})") from None
 
 
 def external_id(req_id: str) -> str:
@@ -192,8 +208,9 @@ class D3DProposer:
             )
         factory = DrafterFactory(cfg, torch_device)
         server = ServerConfig(fixed_branches=self.settings.branches)
+        reader = self.settings.reader
         self.supervisor = Supervisor(
-            lambda: ProcessWorker(factory, cores, cfg=server),
+            lambda: ProcessWorker(factory, cores, cfg=server, reader=reader),
             SupervisorConfig(hang_s=self.settings.hang_s),
         )
         self.link = BatchedLink(self.supervisor)
@@ -215,7 +232,7 @@ class D3DProposer:
         if self.settings.stats_path:
             try:
                 self.stats_server = StatsServer(self.settings.stats_path, self._answer)
-            except OSError:  # a folder others may enter (d3d.vllm.private): no figures
+            except OSError:  # a folder others may enter (d3d.worker.private): no figures
                 log.exception("D3D proposer: no statistics socket at %s", self.settings.stats_path)
         atexit.register(self.close)
 

@@ -10,7 +10,7 @@ worker's status. :class:`StatsClient` is the server's side.
 Plain data only: each question and answer is one JSON value behind a 4-byte big-endian length
 (at most :data:`MAX_FRAME` bytes), so bytes from the socket can build nothing but JSON values; a
 frame that is not JSON gets ``{"error": ...}`` and the connection is closed. The socket lives in
-a private folder (:mod:`d3d.vllm.private`: the server's own ``mkdtemp`` folder, or one an
+a private folder (:mod:`d3d.worker.private`: the server's own ``mkdtemp`` folder, or one an
 operator names, which must be owned by this user and closed to others), both ends refuse any
 other, and the server answers only peers of its own user (``SO_PEERCRED``).
 
@@ -26,12 +26,11 @@ import json
 import logging
 import os
 import socket
-import stat
 import struct
 import threading
 from collections.abc import Callable
 
-from d3d.vllm import private
+from d3d.worker import private
 
 log = logging.getLogger(__name__)
 
@@ -79,29 +78,13 @@ def _plain(obj: object) -> object:
     return item() if callable(item) else str(obj)
 
 
-def _peer_is_us(conn: socket.socket) -> bool:
-    if not hasattr(socket, "SO_PEERCRED"):
-        return True
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
-
-
 class StatsServer:
     """Answers questions with ``answer(question)`` on a Unix socket at ``path``, whose folder
-    must be private (:func:`d3d.vllm.private.check`; NotPrivateError otherwise)."""
+    must be private (:func:`d3d.worker.private.check`; NotPrivateError otherwise)."""
 
     def __init__(self, path: str, answer: Callable[[tuple], object]):
-        private.check_parent(path)
         self.path, self.answer = path, answer
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise private.NotPrivateError(f"{path}: exists and is not a socket")
-            os.unlink(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        os.chmod(path, 0o600)
-        self.sock.listen(MAX_CONNECTIONS)
+        self.sock = private.listen(path, MAX_CONNECTIONS)
         self._answering = threading.Lock()  # one answer at a time, as the proposer expects
         self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._thread = threading.Thread(target=self._accept, name="d3d-vllm-stats", daemon=True)
@@ -113,7 +96,7 @@ class StatsServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            if not _peer_is_us(conn) or not self._open.acquire(blocking=False):
+            if not private.peer_is_us(conn) or not self._open.acquire(blocking=False):
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()

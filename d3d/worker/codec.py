@@ -86,7 +86,7 @@ class Codec:
             if self.classes.get(cls.__name__) is cls:
                 return msgpack.ExtType(DATACLASS, pack([cls.__name__, fields]))
             if start:
-                return msgpack.ExtType(FACTORY, pack([_import_name(cls), fields]))
+                return msgpack.ExtType(FACTORY, pack([import_name(cls), fields]))
         raise CodecError(f"a {type(obj).__name__} is no message of the protocol")
 
     # ----- decoding ---------------------------------------------------------------------
@@ -122,7 +122,7 @@ class Codec:
             return _build(cls, fields)
         if code == FACTORY and start:
             name, fields = value
-            return _build(_import_factory(str(name)), fields)
+            return _build(import_factory(str(name)), fields)
         raise CodecError(f"unknown extension type {code}")
 
 
@@ -139,11 +139,12 @@ def _build(cls: type, fields: object) -> object:
         raise CodecError(f"{cls.__name__}: {exc}") from None
 
 
-def _import_name(cls: type) -> str:
+def import_name(cls: type) -> str:
+    """``module:qualname``: how a class is named across processes."""
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _import_factory(name: str) -> type:
+def import_factory(name: str) -> type:
     """A frozen dataclass of the project's packages, by ``module:qualname``; nothing else."""
     module, _, qualname = name.partition(":")
     if module.split(".")[0] not in FACTORY_PACKAGES or not qualname:

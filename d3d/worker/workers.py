@@ -15,7 +15,9 @@ an engine. Two transports share that client:
   child builds its drafter from a factory of plain fields (model specs, never tensors), only
   messages cross the socket, as msgpack tagged by type (:mod:`d3d.worker.codec`; never pickle:
   what the parent reads can build nothing but a reply), and a thread of the child sends a
-  :class:`~d3d.worker.protocol.Beat` every ``beat_s`` whether the drafter is busy or not.
+  :class:`~d3d.worker.protocol.Beat` every ``beat_s`` whether the drafter is busy or not. Given a
+  :class:`~d3d.worker.reading.ReaderSpec`, it also reads documents for the service
+  (:mod:`d3d.worker.reading`), so that a drafter served beside vLLM exists once.
 
 A worker that dies (its socket closes), stops beating, answers with something that is not a
 message, or stops answering is the requests' problem only in that they lose speculation:
@@ -44,6 +46,7 @@ import torch
 
 from d3d.worker.packed import PackedDraftServer
 from d3d.worker.protocol import CODEC, Beat, Block, Failed, Ready, Stop
+from d3d.worker.reading import ReaderSpec, ReadServer
 from d3d.worker.server import DraftServer, MessageServer, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -258,6 +261,7 @@ class ChildStart:
     cfg: ServerConfig | None
     beat_s: float
     nice: int
+    reader: ReaderSpec | None = None  # documents read here for the service (d3d.worker.reading)
 
 
 def child_main(conn: Connection, start: ChildStart) -> None:
@@ -285,6 +289,8 @@ def child_main(conn: Connection, start: ChildStart) -> None:
             "device": str(getattr(drafter, "device", "cpu")),
             "layers": len(getattr(getattr(drafter, "meta", None), "layers", ()) or ()),
         }
+        if start.reader is not None:  # its socket is there before the parent hears Ready
+            ReadServer(start.reader, drafter, info["device"])
         put(Ready(info))
         threading.Thread(target=_beat, args=(put, start.beat_s), daemon=True).start()
         serve(server, lambda: recv(conn), put, conn.poll)
@@ -326,7 +332,9 @@ class ProcessWorker(WorkerClient):
         cfg: ServerConfig | None = None,
         beat_s: float = 0.5,
         nice: int = 10,
+        reader: ReaderSpec | None = None,
     ):
+        """``reader``: the worker also reads documents for the service (:mod:`d3d.worker.reading`)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         # The child imports what this process imports (a test's checkout, vLLM's workers).
@@ -340,7 +348,8 @@ class ProcessWorker(WorkerClient):
         )
         theirs.close()
         self._conn = Connection(ours.detach())
-        send(self._conn, ChildStart(factory, cores, threads, cfg, beat_s, nice), start=True)
+        start = ChildStart(factory, cores, threads, cfg, beat_s, nice, reader)
+        send(self._conn, start, start=True)
         super().__init__(lambda m: send(self._conn, m), lambda: recv(self._conn))
 
     @property

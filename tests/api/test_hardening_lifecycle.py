@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from d3d.vllm import private
 from d3d.vllm.stats import StatsClient, StatsServer
+from d3d.worker import private
 from d3d.worker.protocol import Beat, Ready
 from d3d.worker.workers import WorkerClient, available_cores, recv, send
 from tests.api.conftest import free_port, tiny_server

@@ -17,8 +17,8 @@ from compression.doc_cache import DocumentCache
 from d3d.config import ModelConfig, SamplingConfig
 from d3d.engine.loading import DrafterFactory
 from d3d.model.load import ModelLoadError, hub_source
-from d3d.vllm import private
 from d3d.vllm.draft_fetch import DraftFlag
+from d3d.worker import private
 from d3d.worker.codec import CodecError
 from d3d.worker.protocol import CODEC, Beat, Block, Close, Commit, Commits, Failed, Open, Ready
 from d3d.worker.server import ServerConfig

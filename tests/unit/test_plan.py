@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from d3d.backends.cuda.drafter import KV_TOKENS
 from d3d.model.drafter import D3DDrafter
 from d3d.model.shapes import CONFIGS
 from d3d.tools.plan import PlanError, PlanSettings, make_plan, register
@@ -127,3 +128,30 @@ def test_plan_is_a_registered_command():
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     group = text.split('[project.entry-points."d3d.commands"]')[1].split("\n[")[0]
     assert 'plan = "d3d.tools.plan:register"' in group
+
+
+def test_beside_vllm_every_process_is_counted_and_the_drafter_shares_nothing():
+    """Three processes: the API with no model, vLLM's engine core with the target, the drafter
+    worker with its own copy of the layers (never the target's tensors, even on one device),
+    its slot KV pool and a /qa reading beside its branches."""
+    own = run_plan("--target", "qwen3-8b", "--drafter", "self:4", "--max-kv-tokens", "1024")
+    plan = run_plan(
+        "--target", "qwen3-8b", "--drafter", "self:4", "--max-kv-tokens", "1024",
+        "--engine", "vllm", "--document-tokens", "2000",
+    )  # fmt: skip
+    d, t = plan["drafter"], plan["target"]
+    assert own["drafter"]["weight_bytes"] == 4096 * 2  # the own engine shares the layers
+    layers = D3DDrafter.from_target(meta_model("qwen3-8b"), 4, device="meta")
+    assert d["weight_bytes"] == pytest.approx(measured(layers), rel=0.05)
+    assert d["kv_bytes"] == d["kv_bytes_per_token"] * KV_TOKENS  # allocated at start on a GPU
+    reading = d["notes"]["reading_workspace_bytes"]
+    assert reading > 0 and d["workspace_bytes"] >= d["notes"]["branch_workspace_bytes"] + reading
+    procs = {p["process"]: p for p in plan["processes"]}
+    assert set(procs) == {"d3d serve (API)", "vLLM engine core", "drafter worker"}
+    assert procs["d3d serve (API)"]["bytes"] == 0
+    total = lambda part: part["weight_bytes"] + part["kv_bytes"] + part["workspace_bytes"]  # noqa: E731
+    assert procs["vLLM engine core"]["bytes"] == total(t)
+    assert procs["drafter worker"]["bytes"] == total(d)
+    assert plan["devices"]["cuda:0"]["peak_bytes"] == total(t) + total(d)
+    with pytest.raises(PlanError, match="engine"):
+        PlanSettings(target="qwen3-8b", engine="tgi")

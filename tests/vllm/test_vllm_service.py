@@ -1,8 +1,10 @@
 """``d3d serve --engine vllm`` over real sockets (vLLM's CPU build, the embedded model and its
-drafter): the same routes as the own engine; answers in every mode equal ``ar``; ``/ready``
-reports the drafter worker; ``/metrics`` has vLLM's ``vllm:spec_decode_*`` counters beside the
-project's branch statistics; ``/qa`` answers with kept spans from a kept prompt equal to the own
-engine's."""
+drafter), started as a user starts it, in a process of its own: the same routes as the own
+engine; answers in every mode equal ``ar``; ``/ready`` reports the drafter worker; ``/metrics``
+has vLLM's ``vllm:spec_decode_*`` counters beside the project's branch statistics; ``/qa``
+answers with kept spans from a kept prompt equal to the own engine's, read by the drafter
+worker; the API process holds no model (at most 1 GiB resident once ready) and the drafter is
+loaded once, in that worker."""
 
 from __future__ import annotations
 
@@ -10,17 +12,19 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.documents import Documents
-from app.settings import ServeSettings
 from d3d.config import ModelConfig
 from d3d.engine import Engine
-from tests.api.conftest import free_port, start
+from tests.api.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DOCUMENT = (
@@ -31,14 +35,80 @@ DOCUMENT = (
 QUESTION = "Where does Marta keep her bicycle?"
 
 
+API_RSS_LIMIT = 1 << 30  # bytes: the API process holds no model (issue 44)
+
+
+class Served:
+    def __init__(self, url: str, proc: subprocess.Popen):
+        self.url, self.proc = url, proc
+
+
 @pytest.fixture(scope="module")
-def served():
-    settings = ServeSettings(
-        model=ModelConfig(), port=free_port(), engine="vllm", vllm_eager=True, max_batch=8
-    )
-    srv = start(settings)
-    yield srv
-    srv.stop()
+def served(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm_serve") / "serve.log"
+    cmd = [sys.executable, "-m", "d3d", "serve", "--engine", "vllm", "--vllm-eager",
+           "--max-batch", "8", "--port", str(port)]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert proc.poll() is None, Path(log).read_text()[-4000:]
+            try:
+                r = httpx.get(url + "/ready", timeout=5)
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("not ready in 600 s: " + Path(log).read_text()[-4000:])
+        yield Served(url, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of a process (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").iterdir():
+            kids = (task / "children").read_text().split()
+            out += [int(k) for k in kids]
+            todo += [int(k) for k in kids]
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_the_api_process_holds_no_model_and_the_drafter_is_loaded_once(served):
+    """Once ready: the API process at most 1 GiB resident (no target weights, no drafter), and
+    one drafter worker process in the tree, which ``/ready`` names and which reads documents."""
+    body = httpx.get(served.url + "/ready", timeout=10).json()
+    assert body["reading"] == "drafter worker"
+    used = rss(served.proc.pid)
+    assert used <= API_RSS_LIMIT, f"API process resident {used / 2**30:.2f} GiB"
+    workers = [p for p in descendants(served.proc.pid) if "d3d.worker.child" in cmdline(p)]
+    assert workers == [body["drafter_worker"]["pid"]], [cmdline(p) for p in workers]
 
 
 def samples(url: str) -> dict[str, float]:
@@ -95,7 +165,7 @@ def test_qa_keeps_the_own_engines_prompt(served):
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["compression"]["kept_spans"], "kept spans of the document"
-    own = Documents(Engine.from_config(ModelConfig())).prepare(
+    own = Documents.for_engine(Engine.from_config(ModelConfig())).prepare(
         DOCUMENT, QUESTION, 0.2, "auto", 8000
     )
     tok = Engine.from_config(ModelConfig(), with_drafter=False).tokenizer
@@ -105,7 +175,8 @@ def test_qa_keeps_the_own_engines_prompt(served):
 
 def test_the_drafter_killed_under_eight_clients_costs_no_answer(served):
     """``kill -9`` of the pid ``/ready`` reports while eight streaming async requests run: every
-    answer as alone, the server ready throughout, the worker back with a new pid."""
+    answer as alone, the server ready throughout, the worker back with a new pid, reading
+    documents again."""
     prompts = [f"Count from {i} to {i + 12}, one number a line." for i in range(8)]
 
     def body(p: str, stream: bool) -> dict:
@@ -151,3 +222,7 @@ def test_the_drafter_killed_under_eight_clients_costs_no_answer(served):
             break
         time.sleep(0.5)
     assert w["state"] == "up" and w["pid"] != first["pid"], w
+    # The replacement reads documents too (the service's reading client reconnects).
+    qa = {"document": DOCUMENT, "question": QUESTION, "keep_ratio": 0.2, "max_new_tokens": 8}
+    r = httpx.post(served.url + "/qa", json=qa, timeout=300)
+    assert r.status_code == 200, r.text

@@ -1,7 +1,8 @@
 """Private folders for the files two of the server's processes share (a socket, a flag).
 
-vLLM's runner process and the server talk through files: the proposer's statistics socket
-(:mod:`d3d.vllm.stats`) and the draft flag (:mod:`d3d.vllm.draft_fetch`). Both live in a folder
+vLLM's runner process, the drafter worker and the server talk through files: the proposer's
+statistics socket (:mod:`d3d.vllm.stats`), the draft flag (:mod:`d3d.vllm.draft_fetch`) and the
+drafter worker's reading socket (:mod:`d3d.worker.reading`). All live in a folder
 only their owner can enter: one the server makes with :func:`make` (``mkdtemp``: mode 0700,
 owned by this user, a fresh name) and removes with :func:`remove` when it stops, or one an
 operator names, which :func:`check` accepts only when it is a real folder (no symlink) owned by
@@ -11,9 +12,12 @@ user could have put a socket or a symlink there, or could read what is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import stat
+import struct
 import tempfile
 
 PREFIX = "d3d-vllm-"
@@ -55,3 +59,27 @@ def remove(folder: str | None) -> None:
     """Remove a folder :func:`make` made, with what is in it (gone already: nothing to do)."""
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def listen(path: str, backlog: int) -> socket.socket:
+    """A Unix socket listening at ``path`` (mode 0600) in a private folder: a stale socket
+    there is replaced, anything else there is refused (:class:`NotPrivateError`)."""
+    check_parent(path)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise NotPrivateError(f"{path}: exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(backlog)
+    return sock
+
+
+def peer_is_us(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this user (``SO_PEERCRED``)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return True
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
