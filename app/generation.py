@@ -28,7 +28,7 @@ from app.errors import ApiError
 from app.prepared import PromptBuilder
 from app.text import TextStream
 from app.worker import EngineWorker, Job, Models, Prepared, admit, build_prompt
-from d3d.decoding.sampling import TokenLogprob
+from d3d.sampling import TokenLogprob
 
 
 @dataclass

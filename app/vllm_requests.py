@@ -5,7 +5,7 @@ log-probabilities."""
 from __future__ import annotations
 
 from d3d.config import SamplingConfig
-from d3d.decoding.sampling import TokenLogprob
+from d3d.sampling import TokenLogprob
 
 STOP_REASONS = {"stop": "eos", "length": "length", "abort": "cancelled"}
 

@@ -43,7 +43,7 @@ class SamplingConfig:
       ``repetition_penalty`` (> 1 discourages every token of the prompt or the output so far),
       ``presence_penalty`` / ``frequency_penalty`` (subtracted once / per occurrence in the
       output so far);
-    - truncation of the distribution after the temperature (:func:`~d3d.decoding.sampling.
+    - truncation of the distribution after the temperature (:func:`~d3d.sampling.
       probabilities`): ``min_p`` (drop tokens below ``min_p`` times the most likely one's
       probability), ``top_k`` (0: off), ``top_p``;
     - stopping: ``stop_token_ids`` end the row like EOS; ``ignore_eos`` lets EOS through as an

@@ -6,8 +6,8 @@ and each :class:`~app.generation.Delta` of a stream into chunks, ``index`` namin
 with the choice's first token (vLLM's way), never before the prompt is read: clients time the
 first token by it. Thinking comes apart from the answer per choice (:mod:`app.reasoning`).
 
-Logprobs (:class:`~d3d.decoding.sampling.TokenLogprob`: of the target's processed distribution,
-see :func:`~d3d.decoding.sampling.log_distribution`) take OpenAI's two shapes: chat
+Logprobs (:class:`~d3d.sampling.TokenLogprob`: of the target's processed distribution,
+see :func:`~d3d.sampling.log_distribution`) take OpenAI's two shapes: chat
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``, completions
 ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``. Spelling
 every alternative is the costly part (up to ``n x max_tokens x (1 + top)`` tokens): each token is
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from app.generation import Choice, Delta
 from app.reasoning import ReasoningSplitter
-from d3d.decoding.sampling import TokenLogprob
+from d3d.sampling import TokenLogprob
 
 
 class Shape:

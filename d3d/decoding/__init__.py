@@ -1,8 +1,9 @@
-"""Decoding as pure parts: acceptance rules, sampling, the modes' proposers, the policy, costs.
+"""Decoding as pure parts: acceptance rules, the modes' proposers, the policy, costs.
 
 - :mod:`~d3d.decoding.verify`    acceptance rules and :func:`~d3d.decoding.verify.accept`, the one
                                  place a round's logits become committed tokens
-- :mod:`~d3d.decoding.sampling`  temperature / top-p distributions shared by drafter and target
+- :mod:`~d3d.sampling`            (below this package: the drafter's session uses it too)
+                                 temperature / top-p distributions shared by drafter and target
 - :mod:`~d3d.decoding.proposers` the modes as strategy objects (ar, sync; the protocol)
 - :mod:`~d3d.decoding.policy`    ``auto``: speculate only where and as far as measured costs say
 - :mod:`~d3d.decoding.lookup`    copy rounds: drafts copied from the request's own text

@@ -33,7 +33,7 @@ import torch
 
 from d3d.config import SamplingConfig
 from d3d.decoding.processors import History
-from d3d.decoding.sampling import TokenLogprob, log_distribution, probabilities, token_logprobs
+from d3d.sampling import TokenLogprob, log_distribution, probabilities, token_logprobs
 
 
 @dataclass(frozen=True)

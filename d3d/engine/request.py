@@ -21,8 +21,8 @@ from d3d.backends.kv import KvRow
 from d3d.config import DecodeConfig, SamplingConfig
 from d3d.decoding.processors import History
 from d3d.decoding.proposers import Proposal, Proposer
-from d3d.decoding.sampling import TokenLogprob
 from d3d.decoding.stats import DecodeStats
+from d3d.sampling import TokenLogprob
 
 _ids = itertools.count()
 

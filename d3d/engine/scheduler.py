@@ -46,12 +46,12 @@ from d3d.backends.kv import KvLimitError
 from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.processors import History
 from d3d.decoding.proposers import NO_DRAFT, Proposal, Proposer
-from d3d.decoding.sampling import TokenLogprob, make_generator
 from d3d.decoding.stats import DecodeStats, Round
 from d3d.decoding.verify import Acceptance, accept
 from d3d.engine.kv_store import PrefixCache
 from d3d.engine.prefixes import SharedPrefixes
 from d3d.engine.request import GenRequest, Row
+from d3d.sampling import TokenLogprob, make_generator
 from d3d.worker.budget import round_seconds
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from d3d.backends.hf import trim_cache
 from d3d.config import SamplingConfig
-from d3d.decoding.sampling import probabilities
+from d3d.sampling import probabilities
 
 
 class BlockDrafter(Protocol):

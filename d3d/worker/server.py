@@ -27,9 +27,9 @@ from transformers import DynamicCache
 
 from d3d.backends.clock import Clock
 from d3d.config import SamplingConfig
-from d3d.decoding.sampling import probabilities
 from d3d.model.drafter import D3DDrafter
 from d3d.model.session import rewind
+from d3d.sampling import probabilities
 from d3d.worker.branches import choose_branches
 from d3d.worker.budget import BranchBudget
 from d3d.worker.drafting import can_batch, draft_blocks, draft_branches, encode_chain

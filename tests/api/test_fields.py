@@ -20,10 +20,10 @@ from openai import OpenAI
 
 from app.settings import ServeSettings
 from d3d.config import SamplingConfig
-from d3d.decoding.sampling import log_distribution
 from d3d.engine import Engine
 from d3d.model.drafter import D3DDrafter
 from d3d.model.load import LoadedModel
+from d3d.sampling import log_distribution
 from tests.api.conftest import free_port, start
 from tests.conftest import tiny_model, tiny_tokenizer
 from tests.engine.test_penalties_exact import fresh, next_logits, processed, reference

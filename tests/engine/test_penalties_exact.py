@@ -20,13 +20,13 @@ import torch
 
 from d3d.config import DecodeConfig, SamplingConfig
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.decoding.sampling import log_distribution, probabilities
 from d3d.decoding.stats import DecodeStats
 from d3d.engine import decode
 from d3d.engine.request import GenRequest
 from d3d.engine.scheduler import Scheduler
 from d3d.engine.stream import stream
 from d3d.model.drafter import D3DDrafter, Draft
+from d3d.sampling import log_distribution, probabilities
 from d3d.worker import AsyncProposer, ServerConfig, ThreadWorker
 from tests.concurrency.fakes import ScriptedWorker
 from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_model

@@ -13,9 +13,9 @@ import torch
 
 from d3d.config import DecodeConfig, SamplingConfig
 from d3d.decoding.proposers import ArProposer, SyncProposer
-from d3d.decoding.sampling import probabilities
 from d3d.engine import decode
 from d3d.model.drafter import D3DDrafter
+from d3d.sampling import probabilities
 from tests.conftest import tiny_model
 
 V, N_NEW, PROMPT = 5, 3, [1, 3, 2]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from d3d.config import ConfigError, DecodeConfig, ModelConfig, SamplingConfig
-from d3d.decoding.sampling import pick, probabilities
+from d3d.sampling import pick, probabilities
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from d3d.config import ConfigError, SamplingConfig
 from d3d.decoding.processors import History, process
-from d3d.decoding.sampling import LOGPROB_FLOOR, log_distribution, probabilities, token_logprobs
 from d3d.decoding.verify import accept
+from d3d.sampling import LOGPROB_FLOOR, log_distribution, probabilities, token_logprobs
 
 V = 12
 

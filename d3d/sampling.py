@@ -10,6 +10,9 @@ them, since the ratio test is exact for any q.
 The order is vLLM's: temperature, then ``min_p``, ``top_k``, ``top_p``, each on what the one
 before kept (renormalised).
 
+It sits beside :mod:`d3d.config`, below the model layer: the drafter's session draws its
+proposal distribution q with it, and the decoding layer its p.
+
 Letters: T positions, V vocab.
 """
 
