@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     own, fast = records["own engine"], records["vllm"]
     equal = sum(fast.get(k) == r for k, r in own.items())
     result = {
-        "command": "python -m eval.data_vllm " + " ".join(argv or []),
+        "command": "python -m eval.data_vllm " + " ".join(sys.argv[1:] if argv is None else argv),
         "target": args.target, "n_prompts": len(prompts), "batch": args.batch,
         "max_new_tokens": args.max_new_tokens, "vllm_compiled": args.compile, "rows": rows,
         "vllm_vs_own_decode": round(rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"], 3),
