@@ -22,6 +22,10 @@ block as the row-by-row server does (:meth:`DraftServer._finish`, seeded by posi
 that the worker reads before its first branches (an ``Open`` with ``prepare``) is one more
 forward, scoring its last token.
 
+A row whose slot cannot hold what a step would write for it (its tokens, a chain and its
+branches) fails alone before the step, as one that cannot open its slot does: its request goes
+on on the target, and the other rows' step is not lost.
+
 Letters: R rows, K drafts a block, Bk = K+1, n branches a row, V_d draft vocabulary.
 """
 
@@ -32,6 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
+from d3d.backends.cuda.kv import SlotLimitError
 from d3d.model.session import common_prefix
 from d3d.worker.branches import Choice, choose_rows
 from d3d.worker.protocol import Open
@@ -57,6 +62,20 @@ class PackedDraftServer(DraftServer):
         self.sessions[msg.sid] = sess
         if msg.prepare and msg.branches:
             self._prepare_rows([(sess, None, None)])
+
+    def _commits(self, msgs: list) -> Iterator[object]:
+        """A row whose slot cannot hold what this step would write fails alone (its request
+        goes on on the target, lossless); the step goes on for the others."""
+        fit = []
+        for msg in msgs:
+            sess = self.sessions.get(msg.sid)
+            need = (len(sess.committed) + len(msg.tokens) + self.reserve) if sess else 0
+            if need > self.packed.kv.capacity:
+                yield self._failed(msg.sid, SlotLimitError(need, self.packed.kv.capacity,
+                                                           self.packed.kv.slots))  # fmt: skip
+            else:
+                fit.append(msg)
+        yield from super()._commits(fit)
 
     def _close(self, sid: int) -> None:
         sess = self.sessions.pop(sid, None)

@@ -20,7 +20,7 @@ from d3d.model.drafter import D3DDrafter
 from d3d.worker.branches import choose_branches, choose_rows
 from d3d.worker.drafting import draft_branches
 from d3d.worker.packed import PackedDraftServer
-from d3d.worker.protocol import Block, Commit, Commits, Open
+from d3d.worker.protocol import Block, Commit, Commits, Failed, Open
 from d3d.worker.server import DraftServer, ServerConfig
 from d3d.worker.workers import server_for
 from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_engine, tiny_model
@@ -277,3 +277,22 @@ def test_captured_packed_steps_give_the_eager_steps_scores():
             assert p.runner.captured == 2 and p.counts["packed"] == 4
     for a, b in zip(outs[True], outs[False], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_row_past_its_slot_fails_alone_and_the_others_step_on():
+    d = drafter_of("plain")
+    plan = PackedPlan(graphs=False, rows=2, kv_tokens=2 * 1024)
+    server = PackedDraftServer(d, ServerConfig(fixed_branches=2), plan=plan)
+    cap = server.packed.kv.capacity
+    long = [j % 90 + 2 for j in range(cap - server.reserve - 2)]  # fits, with 2 to spare
+    assert server.packed.kv.slots == 2
+    list(server.handle(Open(1, [5, 6, 7, 8], SamplingConfig(), seed=1)))
+    list(server.handle(Open(2, long, SamplingConfig(), seed=2)))
+    out = list(server.handle(Commits([Commit(1, [9], 0.1), Commit(2, [9, 10, 11], 0.1)])))
+    failed = [m for m in out if isinstance(m, Failed)]
+    assert [m.sid for m in out if isinstance(m, Block)] == [1]
+    assert [f.sid for f in failed] == [2] and f"at most {cap} tokens" in failed[0].message
+    assert 2 not in server.sessions and len(server.packed.kv.rows) == 1  # its slot is free
+    block = next(m for m in out if isinstance(m, Block))
+    out = list(server.handle(Commits([Commit(1, [block.tokens[0], 3], 0.1)])))
+    assert [type(m) for m in out] == [Block]
