@@ -57,6 +57,7 @@ from compression.reading import (
 from compression.selection import smooth
 from compression.units import Chunk
 from d3d.backends.hf import trim_cache
+from d3d.backends.sizes import UNSTATED_WINDOW, window
 from d3d.config import DEFAULT_BLOCK_SIZE
 from d3d.model import masks
 from d3d.model.drafter import D3DDrafter
@@ -123,7 +124,7 @@ QUERY_RESERVE = 512  # positions kept for the query after a window that fills th
 
 
 def _positions(model: D3DDrafter) -> int:
-    return int(getattr(model.lm.config, "max_position_embeddings", 8192))
+    return window(model.lm.config) or UNSTATED_WINDOW
 
 
 def _window_size(model: D3DDrafter, parts: PromptParts, extra: int, window: int | None) -> int:

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 
 from d3d.backends.ragged import Group, GroupAttention, Ragged, RaggedCache
 from d3d.backends.sizes import free_bytes, head_dim, kv_bytes_per_token, kv_heads, kv_token_bytes
+from d3d.backends.sizes import window as model_window
 from d3d.backends.slabs import GROW, SHORT, KvRow, SlabStore, next_capacity, round_up
 
 __all__ = ["GROW", "KvHooks", "KvLimitError", "KvRow", "RowKV", "default_kv_tokens"]
@@ -76,7 +77,7 @@ def default_kv_tokens(model, share_cpu: float = 0.25, share_gpu: float = 0.8) ->
     p = next(model.parameters())
     per = kv_bytes_per_token(model.config, p.dtype)
     budget = (share_gpu if p.device.type == "cuda" else share_cpu) * free_bytes(p.device)
-    window = getattr(model.config, "max_position_embeddings", 0) or 0
+    window = model_window(model.config) or 0
     return max(int(budget // per), window, GROW)
 
 

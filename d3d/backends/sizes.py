@@ -1,5 +1,5 @@
-"""Sizes a KV layout is built from: a model config's KV heads and head dim, the bytes a token's
-keys and values take, and how much memory a device has free.
+"""Sizes a KV layout is built from: a model config's window, KV heads and head dim, the bytes a
+token's keys and values take, and how much memory a device has free.
 
 Pure functions of a config and a dtype (plus :func:`free_bytes`, which asks the device). The
 backends size their KV with them; :mod:`d3d.model.memory` builds the weight and activation
@@ -21,6 +21,16 @@ def head_dim(config) -> int:
     return int(
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     )
+
+
+UNSTATED_WINDOW = 8192  # positions assumed where a config states no window (readers, sweeps)
+
+
+def window(config) -> int | None:
+    """The positions a model attends (``max_position_embeddings``), the one place a model's
+    window is read; None where its config does not state one."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
 
 
 def kv_heads(config) -> int:

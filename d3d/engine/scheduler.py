@@ -48,6 +48,7 @@ import torch
 from d3d.backends import Backend, for_model
 from d3d.backends.clock import WALL, Clock
 from d3d.backends.kv import KvLimitError
+from d3d.backends.sizes import window as model_window
 from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.processors import History
 from d3d.decoding.proposers import NO_DRAFT, Proposal, Proposer
@@ -169,7 +170,7 @@ class Scheduler:
         self.prefill_budget = prefill or PrefillBudget()
         self.prefixes = SharedPrefixes(prefix_cache, self.target, self.prefill_budget.max_chunk)
         self.clock = clock
-        self.window = window or getattr(model.config, "max_position_embeddings", None)
+        self.window = window or model_window(model.config)
         self.after_step = after_step or (lambda rows: None)
         self.waiting: deque[GenRequest] = deque()
         self.rows: list[Row] = []

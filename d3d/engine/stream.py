@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from d3d.backends.sizes import window as model_window
 from d3d.config import DecodeConfig
 from d3d.decoding.proposers import Proposer
 from d3d.decoding.stats import DecodeStats
@@ -61,7 +62,7 @@ def decode(
     tokens each round commits; ``stats`` is complete when the generator ends."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    window = getattr(model.config, "max_position_embeddings", None) or 1 << 16
+    window = model_window(model.config) or 1 << 16  # one stream's KV: its window
     scheduler = Scheduler(
         model,
         eos_ids,

@@ -34,6 +34,8 @@ import torch
 
 from compression.compressor import CompressionConfig
 from compression.scorers import words
+from d3d.backends.sizes import UNSTATED_WINDOW
+from d3d.backends.sizes import window as model_window
 from eval.longbench.data import Item, load_longbench
 from eval.longbench.messy import messy_items
 from eval.longbench.offline import needle_items, nq_multidoc
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace, done: set, path: Path) -> list[dict]:
     if args.gap is not None:
         cfg = replace(cfg, gap=args.gap)
     qa = DocumentQA(engine, cfg, cache=DocumentCache(max_entries=4))
-    window = int(getattr(engine.target.model.config, "max_position_embeddings", 8192))
+    window = model_window(engine.target.model.config) or UNSTATED_WINDOW
     items = load_sets(args.sets.split(","), tok, args.per_set)
     keeps = [float(k) for k in args.keep.split(",")]
     new = []

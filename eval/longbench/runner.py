@@ -33,6 +33,8 @@ from compression.doc_cache import DocumentCache
 from compression.prompt import PromptParts
 from compression.qa import DocumentQA, Timings
 from compression.units import Chunk
+from d3d.backends.sizes import UNSTATED_WINDOW
+from d3d.backends.sizes import window as model_window
 from d3d.config import MODES, DecodeConfig
 from d3d.engine import Engine
 from eval.longbench import metrics
@@ -117,7 +119,7 @@ class Sweep:
         self._scores: dict[tuple[str, str], ContextScores] = {}
 
     def window(self) -> int:
-        return int(getattr(self.engine.target.model.config, "max_position_embeddings", 8192))
+        return model_window(self.engine.target.model.config) or UNSTATED_WINDOW
 
     def parts(self, item: Item) -> tuple[PromptParts, float]:
         """The item's prompt parts and the seconds tokenising took."""

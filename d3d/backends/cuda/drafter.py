@@ -77,14 +77,14 @@ class PackedDrafter:
     """The drafter's slot KV and packed step (see the module docstring)."""
 
     def __init__(self, drafter, plan: PackedPlan | None = None):
-        from d3d.backends.sizes import head_dim, kv_heads
+        from d3d.backends.sizes import head_dim, kv_heads, window
 
         plan = plan or PackedPlan()
         self.drafter = drafter
         cfg = drafter.lm.config
         p = drafter.mask_embedding
-        window = getattr(cfg, "max_position_embeddings", None)
-        slots, capacity = static_shape(plan.kv_tokens, plan.rows, window)
+        positions = window(cfg)
+        slots, capacity = static_shape(plan.kv_tokens, plan.rows, positions)
         self.kv = StaticKV(
             cfg.num_hidden_layers, kv_heads(cfg), head_dim(cfg), p.dtype, p.device, slots, capacity
         )

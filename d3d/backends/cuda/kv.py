@@ -66,10 +66,11 @@ class StaticKV(RowKV):
     def shaped(cls, model, max_tokens: int, rows: int) -> StaticKV:
         """A static KV for ``model`` (:func:`static_shape` of its budget and rows)."""
         from d3d.backends.sizes import head_dim, kv_heads
+        from d3d.backends.sizes import window as model_window
 
         cfg = model.config
         p = next(model.parameters())
-        window = getattr(cfg, "max_position_embeddings", None)
+        window = model_window(cfg)
         slots, capacity = static_shape(max_tokens, rows, window)
         return cls(
             cfg.num_hidden_layers, kv_heads(cfg), head_dim(cfg), p.dtype, p.device, slots, capacity
