@@ -34,6 +34,7 @@ from app.prepared import Prepared
 from compression.compressor import DEFAULT_SCORER, SCORERS
 from compression.doc_cache import DocumentCache
 from compression.document_reader import DocumentReader
+from compression.selection import check_keep_ratio
 from d3d.model.load import TemplateVarsError
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Documents",
     "RemoteDocuments",
     "WorkerReader",
+    "check_keep_ratio",
     "scorers",
 ]
 

@@ -58,8 +58,13 @@ class Sampling(BaseModel):
 
 class Compression(BaseModel):
     model_config = STRICT
-    keep_ratio: float | None = Field(None, gt=0.0, le=1.0, description="fraction of document kept")
+    keep_ratio: float | None = Field(None, description="fraction of document kept, in (0, 1]")
     scorer: str | None = Field(None, description="how document parts are ranked")
+
+    @field_validator("keep_ratio")
+    @classmethod
+    def _keep_ratio(cls, v: float | None) -> float | None:
+        return None if v is None else documents.check_keep_ratio(v)
 
     @field_validator("scorer")
     @classmethod

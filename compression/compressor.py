@@ -42,7 +42,7 @@ from compression.scorers import (
     Scorer,
     has_read,
 )
-from compression.selection import budget, head_units, pool, select
+from compression.selection import budget, check_keep_ratio, head_units, pool, select
 from compression.units import GRANULARITIES, Chunk, fixed_chunks, max_unit, segment
 from d3d.model.drafter import D3DDrafter
 
@@ -96,8 +96,7 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         if self.scorer not in SCORERS:
             raise ValueError(f"unknown scorer {self.scorer!r}: choose from {', '.join(SCORERS)}")
-        if not 0.0 < self.keep_ratio <= 1.0:
-            raise ValueError(f"keep ratio must be in (0, 1], got {self.keep_ratio}")
+        check_keep_ratio(self.keep_ratio)
         if self.chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {self.chunk_size}")
         if self.granularity not in GRANULARITIES:

@@ -28,10 +28,17 @@ import torch
 from compression.units import Chunk
 
 
-def budget(n: int, keep_ratio: float) -> int:
-    """Tokens kept out of ``n`` at ``keep_ratio`` in (0, 1] (at least one when n > 0)."""
+def check_keep_ratio(keep_ratio: float) -> float:
+    """``keep_ratio`` if it lies in (0, 1]: the one rule every entry (the service's fields, the
+    compression config, a sweep's ratios) checks; ValueError naming it otherwise."""
     if not 0.0 < keep_ratio <= 1.0:
         raise ValueError(f"keep ratio must be in (0, 1], got {keep_ratio}")
+    return keep_ratio
+
+
+def budget(n: int, keep_ratio: float) -> int:
+    """Tokens kept out of ``n`` at ``keep_ratio`` in (0, 1] (at least one when n > 0)."""
+    check_keep_ratio(keep_ratio)
     return min(n, max(1 if n else 0, round(keep_ratio * n)))
 
 

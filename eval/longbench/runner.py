@@ -32,6 +32,7 @@ from compression.compressor import DEFAULT_SCORER, CompressionConfig, ContextSco
 from compression.doc_cache import DocumentCache
 from compression.prompt import PromptParts
 from compression.qa import DocumentQA, Timings
+from compression.selection import check_keep_ratio
 from compression.units import Chunk
 from d3d.backends.sizes import UNSTATED_WINDOW
 from d3d.backends.sizes import window as model_window
@@ -60,8 +61,10 @@ class SweepConfig:
     max_new_tokens: int | None = None  # cap on the tasks' generation lengths
 
     def __post_init__(self) -> None:
-        if not self.keep_ratios or any(not 0 < k <= 1 for k in self.keep_ratios):
-            raise ValueError(f"keep ratios must be in (0, 1], got {self.keep_ratios}")
+        if not self.keep_ratios:
+            raise ValueError("a sweep needs at least one keep ratio")
+        for k in self.keep_ratios:
+            check_keep_ratio(k)
         if not self.scorers or not self.modes:
             raise ValueError("a sweep needs at least one scorer and one mode")
         for s in self.scorers:
