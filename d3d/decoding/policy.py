@@ -332,6 +332,11 @@ class AutoProposer:
     def speculating(self) -> bool:
         return self.next_len > 0 and self.spec is not None and self.spec.speculating
 
+    @property
+    def failed(self) -> bool:
+        """Its speculating proposer's worker failed (auto then decodes plainly to the end)."""
+        return self.spec is not None and self.spec.failed
+
     def observe(self, acc: Acceptance, verify_s: float | None, next_len: int | None = None) -> None:
         cur = self.current
         self.produced += len(acc.tokens)
@@ -357,7 +362,7 @@ class AutoProposer:
             self.prev_spec = spec
         was = self.next_len > 0
         # A worker that failed serves this request no more: plain steps to the end.
-        off = next_len == 0 or self.spec is None or getattr(self.spec, "failed", False)
+        off = next_len == 0 or self.spec is None or self.spec.failed
         self.next_len = 0 if off else self.policy.next_len()
         share = self.share_s
         if self.next_len and share is not None and not self.policy.pays_at(self.next_len, share):

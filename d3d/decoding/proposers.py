@@ -78,6 +78,7 @@ class Proposer(Protocol):
 
     name: str
     speculating: bool  # its next round drafts on the drafter worker's cores
+    failed: bool  # its drafter worker failed: it proposes nothing more for this request
 
     def start(
         self,
@@ -91,6 +92,12 @@ class Proposer(Protocol):
         when it differs from the target's (a compressed prompt for the target, the whole
         document for the drafter). ``first_len``: how many drafts the first round after the
         prefill will verify, as ``observe``'s ``next_len`` (0 lets a worker stay idle)."""
+        ...
+
+    def batch(self, share_s: float | None, token_s: float | None = None) -> None:
+        """Told before each step: this row's share of the step about to run among the rows that
+        share it (None: alone), and what one more token of that forward costs. A mode that
+        prices its rounds (``auto``) weighs them against it; the others ignore it."""
         ...
 
     def propose(self, tokens: list[int]) -> Proposal: ...
@@ -119,8 +126,12 @@ class ArProposer:
 
     name = "ar"
     speculating = False
+    failed = False
 
     def start(self, prompt_ids, sampling, generator, draft_prompt_ids=None, first_len=None) -> None:
+        pass
+
+    def batch(self, share_s: float | None, token_s: float | None = None) -> None:
         pass
 
     def propose(self, tokens: list[int]) -> Proposal:
@@ -152,6 +163,7 @@ class SyncProposer:
 
     name = "sync"
     speculating = False  # it drafts in this process: the target keeps every core
+    failed = False  # no worker to lose
 
     def __init__(self, drafter: Drafter, clock: Clock = WALL):
         self.drafter = drafter
@@ -162,6 +174,9 @@ class SyncProposer:
         self.prompt_len = len(prompt_ids)
         self.draft_prompt = list(draft_prompt_ids) if draft_prompt_ids is not None else None
         self.next_len: int | None = None
+
+    def batch(self, share_s: float | None, token_s: float | None = None) -> None:
+        pass
 
     def propose(self, tokens: list[int]) -> Proposal:
         t0 = self.clock.now()

@@ -305,8 +305,7 @@ class Scheduler:
         whichever row it belongs to, so a round pays in a batch only against that share."""
         share, token_s = self._prices(len(rows))
         for r in rows:
-            if (batch := getattr(r.proposer, "batch", None)) is not None:
-                batch(share, token_s)
+            r.proposer.batch(share, token_s)
         return [r.proposer.propose(r.tokens) for r in rows]
 
     def share_s(self, rows: int) -> float | None:

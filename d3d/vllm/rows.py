@@ -143,8 +143,7 @@ class RequestRows:
         self.flush()
         share, token_s = batch_prices(self.cost, decoding)
         for i, r, req in active:
-            if (batch := getattr(req.proposer, "batch", None)) is not None:
-                batch(share, token_s)
+            req.proposer.batch(share, token_s)
             p = req.proposer.propose(list(r.context))
             drafts = p.tokens.tolist()[: self.max_drafts]
             if r.budget is not None:

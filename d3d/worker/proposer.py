@@ -172,6 +172,9 @@ class AsyncProposer:
         self.next_len = next_len
         self._send(Commit(self.sid, list(acc.tokens), verify_s or 0.0, next_len))
 
+    def batch(self, share_s: float | None, token_s: float | None = None) -> None:
+        pass  # its rounds are the worker's blocks: nothing to price
+
     def propose(self, tokens: list[int]) -> Proposal:
         if self.failed or self.expect is None:
             return NO_DRAFT
