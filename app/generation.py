@@ -1,6 +1,6 @@
 """The async side of a job: wait for its prompt, then its tokens, within a deadline.
 
-Routes submit a :class:`~app.worker.Job` and consume it through these helpers, which turn the
+Routes submit a :class:`~app.engines.own.Job` and consume it through these helpers, which turn the
 worker's events into text (with stop strings), enforce the per-request timeout (504 before the
 answer starts), and cancel the job whenever the consumer goes away (client disconnect, timeout,
 a stop string): the engine then drops the rows before their next round. A prompt that only
@@ -24,10 +24,21 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from app.engines import ServingEngine
+from app.engines.jobs import (
+    Event,
+    Finished,
+    Job,
+    JobFailed,
+    Models,
+    PromptReady,
+    Tokens,
+    admit,
+    build_prompt,
+)
 from app.errors import ApiError
-from app.prepared import PromptBuilder
+from app.prepared import Prepared, PromptBuilder
 from app.text import TextStream
-from app.worker import EngineWorker, Job, Models, Prepared, admit, build_prompt
 from d3d.sampling import TokenLogprob
 
 
@@ -84,7 +95,7 @@ class Delta:
 class Run:
     """One submitted job with its deadline (see the module docstring)."""
 
-    def __init__(self, worker: EngineWorker, job: Job, stop=(), timeout: float = 300.0, hidden=()):
+    def __init__(self, worker: ServingEngine, job: Job, stop=(), timeout: float = 300.0, hidden=()):
         """``stop``: stop strings; ``hidden``: ids kept out of the text (``stop_token_ids``)."""
         self.worker, self.job = worker, job
         self.deadline = time.perf_counter() + timeout
@@ -105,12 +116,12 @@ class Run:
         if not self.job.reads_document:
             await self._tokenise()
         self.worker.submit(self.job)
-        kind, payload = await self._next()
-        if kind == "error":
-            raise payload if isinstance(payload, ApiError) else ApiError(500, "internal error")
-        self.outcome.prepared = payload
+        event = await self._next()
+        if not isinstance(event, PromptReady):
+            raise _answer(event)
+        self.outcome.prepared = event.prepared
         self.outcome.queue_s = self.job.dequeued - self.job.submitted
-        return payload
+        return event.prepared
 
     async def _tokenise(self) -> None:
         """Build a prompt that only tokenises here, on a thread of the pool: a long chat's
@@ -120,8 +131,7 @@ class Run:
         models = self.worker.models
         prepared = await run_in_threadpool(_locked_build, self.job, models)
         if prepared is None:  # build_prompt queued the error
-            _, payload = await self._next()
-            raise payload if isinstance(payload, ApiError) else ApiError(500, "internal error")
+            raise _answer(await self._next())
         self.job.prepare = PromptBuilder(lambda _models: prepared)
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -130,19 +140,15 @@ class Run:
         left = set(range(self.job.n))
         try:
             while left:
-                kind, payload = await self._next()
-                if kind == "tokens":
-                    if (delta := self._tokens(*payload)) is not None:
+                event = await self._next()
+                if isinstance(event, Tokens):
+                    if (delta := self._tokens(event.row, event.ids, event.logprobs)) is not None:
                         yield delta
-                elif kind == "done":
-                    yield self._done(*payload)
-                    left.discard(payload[0])
+                elif isinstance(event, Finished):
+                    yield self._done(event.row, event.stats)
+                    left.discard(event.row)
                 else:
-                    raise (
-                        payload
-                        if isinstance(payload, ApiError)
-                        else ApiError(500, "internal error", kind="server_error")
-                    )
+                    raise _answer(event)
         finally:
             self.job.cancel()  # no-op when finished; stops the rows when the consumer left early
             for choice, text in zip(self.outcome.choices, self.texts, strict=True):
@@ -199,3 +205,12 @@ def _locked_build(job: Job, models: Models) -> Prepared | None:
     tokenizer refuses a second caller while one encodes)."""
     with models.prompt_lock:
         return build_prompt(job, models)
+
+
+def _answer(event: Event) -> ApiError:
+    """The client's answer to an event that ends a job early: its error when that is one for
+    the client, else "internal error" (the text stays in the log)."""
+    error = event.error if isinstance(event, JobFailed) else None
+    if isinstance(error, ApiError):
+        return error
+    return ApiError(500, "internal error", kind="server_error")

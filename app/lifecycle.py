@@ -15,7 +15,7 @@ answered 503 with ``Retry-After`` while the requests it already accepted run to 
   uvicorn's shutdown runs as usual: connections get :data:`GRACE_S` more seconds (whatever is
   still running at the deadline is cut off there), and the app's lifespan shutdown closes the
   engine worker: its threads, the engine, the drafter worker process, vLLM and every temporary
-  folder (:meth:`app.worker.EngineWorker.stop`, :meth:`app.vllm_worker.VllmWorker.stop`).
+  folder (:meth:`app.engines.own.EngineWorker.stop`, :meth:`app.engines.vllm.VllmWorker.stop`).
 - A worker that cannot serve again (its engine thread gave up, vLLM's engine died) calls
   :meth:`GracefulServer.fatal`: the same drain and stop, and :func:`serve` returns 1 so that the
   process supervisor (systemd, Docker's restart policy, Kubernetes) starts a fresh one.

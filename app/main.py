@@ -18,13 +18,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
 from app import errors
+from app.engines import make_engine
+from app.engines.own import load_engine
 from app.lifecycle import Admission, Lifecycle
 from app.metrics import Metrics
 from app.middleware import RequestContext
 from app.routes import openai, ops, qa
 from app.schemas import QARequest
 from app.settings import ServeSettings
-from app.worker import EngineWorker, load_engine
 from d3d.model.load import DEFAULT_SPECS, EMBEDDED_NAME
 
 
@@ -40,12 +41,7 @@ def model_name(settings: ServeSettings) -> str:
 def create_app(settings: ServeSettings | None = None, engine_factory=load_engine) -> FastAPI:
     settings = settings or ServeSettings.from_env()
     metrics = Metrics()
-    if settings.engine == "vllm":
-        from app.vllm_worker import VllmWorker
-
-        worker = VllmWorker(settings, metrics)
-    else:
-        worker = EngineWorker(settings, metrics, engine_factory)
+    worker = make_engine(settings, metrics, engine_factory)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

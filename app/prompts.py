@@ -21,9 +21,9 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 from app import documents
+from app.engines.jobs import Models
 from app.errors import ApiError
 from app.prepared import Prepared, PromptBuilder
-from app.worker import Models
 from d3d.model.load import TemplateVarsError, encode_messages, has_chat_template
 from d3d.model.session import common_prefix
 

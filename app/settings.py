@@ -6,7 +6,7 @@ the service adds ``D3D_HOST``, ``D3D_PORT``, ``D3D_MAX_QUEUE``, ``D3D_MAX_BATCH`
 ``D3D_MAX_DOCUMENT_TOKENS``, ``D3D_API_KEY``, ``D3D_REQUEST_TIMEOUT`` and
 ``D3D_SERVED_MODEL_NAME``, ``D3D_DOC_CACHE_DIR``, ``D3D_COPY`` (``0``: no copy rounds) and
 ``D3D_PREFILL_SHARE`` (how much of a step's verify forward a chunk of prompt may cost while rows
-decode), ``D3D_ENGINE`` (``own``, the default, or ``vllm``: :mod:`app.vllm_worker`) and
+decode), ``D3D_ENGINE`` (``own``, the default, or ``vllm``: :mod:`app.engines.vllm`) and
 ``D3D_VLLM_EAGER`` (vLLM without compilation: starts in seconds, decodes slower).
 ``D3D_API_KEY_FILE`` reads the key from a file (a ``--api-key`` flag shows in ``ps``). The input
 limits (``D3D_MAX_BODY_BYTES``, ``D3D_MAX_NEW_TOKENS``, ``D3D_MAX_N``, ``D3D_MAX_LOGPROBS``,

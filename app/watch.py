@@ -23,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from app.engines.jobs import JobFailed
 from app.errors import ApiError
 
-log = logging.getLogger("app.worker")
+log = logging.getLogger("app.engines.own")
 
 
 def fail_jobs(jobs: Iterable, why: str) -> None:
@@ -33,7 +34,7 @@ def fail_jobs(jobs: Iterable, why: str) -> None:
     for job in jobs:
         if job.cancelled:
             continue
-        job.put("error", ApiError(503, why, kind="server_error", headers={"Retry-After": "5"}))
+        job.put(JobFailed(ApiError(503, why, kind="server_error", headers={"Retry-After": "5"})))
         job.cancel()
 
 

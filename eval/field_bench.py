@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from eval.field_report import medians, num, pairs, plot, summary_line, table
+from eval.field_report import lengths_ok, medians, num, pairs, plot, table
 from eval.serve_load import PROMPTS, served
 
 MODEL_DIR = Path.home() / ".cache" / "d3d" / "SmolLM2-135M-Instruct"
@@ -224,6 +224,18 @@ def vllm_server(
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def summary_line(res: dict, cfg: Config) -> str:
+    if "error" in res:
+        return res["error"]
+    lens = res["output_lens"]
+    exact = cfg.dataset == "random" and lengths_ok(res, asdict(cfg))
+    return (
+        f"{res['completed']} ok, {res['failed']} failed, {res['output_throughput']:.1f} "
+        f"tok/s, TTFT {res['median_ttft_ms']:.0f} ms, TPOT {res['median_tpot_ms']:.1f} ms, "
+        f"lengths {'all ' + str(cfg.output_len) if exact else sorted(set(lens))}"
+    )
 
 
 def run_server(name: str, url: str, cfgs: list[Config], args, custom: Path) -> list[dict]:

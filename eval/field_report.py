@@ -4,12 +4,7 @@ the plot (:mod:`eval.field_bench` runs the benchmark and calls these)."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from eval.field_bench import Config
 
 FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 
@@ -19,18 +14,6 @@ def lengths_ok(res: dict, cfg: dict) -> bool:
     end where the model ends them)."""
     lens = res.get("output_lens") or []
     return cfg["dataset"] != "random" or (bool(lens) and all(n == cfg["output_len"] for n in lens))
-
-
-def summary_line(res: dict, cfg: Config) -> str:
-    if "error" in res:
-        return res["error"]
-    lens = res["output_lens"]
-    exact = cfg.dataset == "random" and lengths_ok(res, asdict(cfg))
-    return (
-        f"{res['completed']} ok, {res['failed']} failed, {res['output_throughput']:.1f} "
-        f"tok/s, TTFT {res['median_ttft_ms']:.0f} ms, TPOT {res['median_tpot_ms']:.1f} ms, "
-        f"lengths {'all ' + str(cfg.output_len) if exact else sorted(set(lens))}"
-    )
 
 
 def medians(runs: list[dict]) -> dict[tuple[str, str], dict]:

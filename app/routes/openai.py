@@ -33,6 +33,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from app import prompts, reasoning
+from app.engines.jobs import Job
 from app.errors import ApiError, request_id
 from app.generation import Outcome, Run
 from app.limits import check_generation, check_max_tokens, check_stops
@@ -47,7 +48,6 @@ from app.routes.common import (
 )
 from app.routes.openai_format import Shape
 from app.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from app.worker import Job
 
 log = logging.getLogger("app.openai")
 router = APIRouter(prefix="/v1", tags=["openai"])

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from app import prompts
+from app.engines.jobs import Job
 from app.errors import ApiError, request_id
 from app.generation import Outcome, Run
 from app.limits import check_max_tokens
@@ -35,7 +36,6 @@ from app.routes.common import (
 )
 from app.schemas import SEED_MAX, SEED_MIN, QARequest
 from app.settings import ServeSettings
-from app.worker import Job
 
 log = logging.getLogger("app.qa")
 router = APIRouter()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import sys
 import time
 
+from app.engines.own import load_engine
 from app.lifecycle import serve
 from app.main import create_app
 from app.settings import ServeSettings
-from app.worker import load_engine
 from d3d.config import ModelConfig
 from d3d.worker.workers import available_cores
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from app.worker import SWITCH_S
+from app.engines.own import SWITCH_S
 from tests.api.conftest import tiny_server
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 4}
@@ -131,6 +131,6 @@ def test_a_prompt_the_kv_budget_can_never_hold_is_refused_and_the_server_goes_on
 
 def test_the_engine_thread_gets_the_gil_back_within_the_short_interval(tiny):
     # The engine thread and the event loop share the GIL; Python's 5 ms default hand-over
-    # made every step wait behind the streaming (app.worker's docstring).
+    # made every step wait behind the streaming (app.engines.own's docstring).
     assert tiny.worker.state == "ready"
     assert sys.getswitchinterval() <= SWITCH_S

@@ -1,8 +1,9 @@
 """A request's generation as the engine worker sees it, and what its prompt builder may use.
 
 :class:`Job` is one request seen from both threads: the route builds it on the event loop,
-the engine worker (either engine's) takes it, and events flow back worker -> event loop through
-its asyncio queue (``call_soon_threadsafe``). :class:`Models` holds what a job's prompt builder
+the engine worker (either engine's) takes it, and typed events flow back worker -> event loop
+through its asyncio queue (``call_soon_threadsafe``): :class:`PromptReady`, then per row
+:class:`Tokens` and one :class:`Finished`, or a :class:`JobFailed`. :class:`Models` holds what a job's prompt builder
 may use; :func:`build_prompt` runs the builder and tells the client why it failed, if it did.
 :func:`admit` and :func:`check_mode` refuse a job before it is queued, for either engine.
 """
@@ -14,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from app.errors import ApiError
@@ -24,7 +26,7 @@ from d3d.model.specs import refusal
 if TYPE_CHECKING:
     from d3d.engine import GenRequest
 
-log = logging.getLogger("app.worker")
+log = logging.getLogger("app.engines.own")
 
 
 class Models:
@@ -45,6 +47,41 @@ class Models:
             if self._documents is None:
                 self._documents = self._make_documents()
             return self._documents
+
+
+@dataclass(frozen=True)
+class PromptReady:
+    """The job's prompt is built and its rows are queued."""
+
+    prepared: Prepared
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Row ``row``'s next tokens (and their log-probabilities, when asked for)."""
+
+    row: int
+    ids: list[int]
+    logprobs: list | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Row ``row`` ended; ``stats``: its decode statistics."""
+
+    row: int
+    stats: dict
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """The job failed: ``error`` is the client's answer (an :class:`ApiError`) or an internal
+    error (answered "internal error")."""
+
+    error: BaseException
+
+
+Event = PromptReady | Tokens | Finished | JobFailed
 
 
 class Job:
@@ -78,8 +115,8 @@ class Job:
         self.first = False
         self._cancelled = threading.Event()
 
-    def put(self, kind: str, payload: object) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+    def put(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -98,12 +135,12 @@ def build_prompt(job: Job, models: Models) -> Prepared | None:
     try:
         return job.prepare(models)
     except ApiError as exc:
-        job.put("error", exc)
+        job.put(JobFailed(exc))
     except ValueError as exc:
-        job.put("error", ApiError(400, str(exc)))
+        job.put(JobFailed(ApiError(400, str(exc))))
     except Exception as exc:
         log.exception("preparing a request failed")
-        job.put("error", exc)
+        job.put(JobFailed(exc))
     return None
 
 

@@ -41,15 +41,25 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from app.documents import Documents
+from app.engines.jobs import (
+    Finished,
+    Job,
+    JobFailed,
+    Models,
+    PromptReady,
+    Tokens,
+    admit,
+    build_prompt,
+    check_mode,
+)
 from app.errors import ApiError
-from app.jobs import Job, Models, admit, build_prompt, check_mode
 from app.metrics import Metrics
 from app.prepared import Prepared
 from app.settings import ServeSettings
 from app.watch import Restarts, fail_jobs, watched
 from d3d.engine import GenRequest, KvLimitError, PrefillBudget, Scheduler
 
-log = logging.getLogger("app.worker")
+log = logging.getLogger("app.engines.own")
 
 SWITCH_S = 0.0005  # the GIL's hand-over interval while the engine runs (module docstring)
 
@@ -330,10 +340,10 @@ class EngineWorker:
         try:
             self.batch.check(reqs[0])  # the rows are alike: all fit or none does
         except KvLimitError as exc:
-            job.put("error", ApiError(413, str(exc), "max_new_tokens", kind="kv_limit"))
+            job.put(JobFailed(ApiError(413, str(exc), "max_new_tokens", kind="kv_limit")))
             return
         except ValueError as exc:
-            job.put("error", ApiError(400, str(exc)))
+            job.put(JobFailed(ApiError(400, str(exc))))
             return
         job.reqs = reqs
         for req in reqs:
@@ -341,7 +351,7 @@ class EngineWorker:
         job.admitted = time.perf_counter()
         if job.cancelled:
             job.cancel()
-        job.put("prepared", prepared)
+        job.put(PromptReady(prepared))
 
     def _request(self, job: Job, prepared: Prepared, i: int, shared: int) -> GenRequest:
         """Row ``i`` of a job (seeded ``seed + i``: the rows are independent samples)."""
@@ -370,12 +380,12 @@ class EngineWorker:
         if not job.first:
             job.first = True
             self.metrics.ttft.observe(time.perf_counter() - job.submitted)
-        job.put("tokens", (i, ids, logprobs))
+        job.put(Tokens(i, ids, logprobs))
 
     def _on_finish(self, job: Job, i: int, stats, error: BaseException | None) -> None:
         d = stats.to_dict()
         self.metrics.observe_stats(d if i == 0 else {**d, "prompt_tokens": 0})  # one prompt
-        job.put("error" if error is not None else "done", error if error is not None else (i, d))
+        job.put(JobFailed(error) if error is not None else Finished(i, d))
 
 
 def _ms(seconds: float | None) -> float | None:

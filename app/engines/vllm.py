@@ -1,6 +1,6 @@
 """The service on vLLM's engine (``d3d serve --engine vllm``): the same routes, vLLM decoding.
 
-:class:`VllmWorker` has the surface of :class:`~app.worker.EngineWorker` that the routes use
+:class:`VllmWorker` has the surface of :class:`~app.engines.own.EngineWorker` that the routes use
 (``submit``, ``state``, ``detokenizer``, ``model_info``, ``metrics``), so ``/qa``, the OpenAI
 routes, ``/metrics`` and the page are unchanged. What differs:
 
@@ -11,7 +11,7 @@ routes, ``/metrics`` and the page are unchanged. What differs:
   aborts it in vLLM.
 - This process holds no model: the target's tokenizer and configs only
   (:func:`~d3d.model.load.load_text`). Prompts are built as on the own engine
-  (:func:`~app.worker.build_prompt`): chat prompts on a prompt thread; a ``/qa`` document is
+  (:func:`~app.engines.own.build_prompt`): chat prompts on a prompt thread; a ``/qa`` document is
   read by the drafter worker, on the drafter's device, beside its drafting
   (:mod:`d3d.worker.reading`, :class:`~app.documents.WorkerReader`), so the drafter exists once
   and a kept prompt is the own engine's; without a drafter, the lexical scorers read here.
@@ -38,12 +38,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from app.documents import Documents, RemoteDocuments, WorkerReader
+from app.engines.jobs import (
+    Finished,
+    Job,
+    JobFailed,
+    Models,
+    PromptReady,
+    Tokens,
+    admit,
+    build_prompt,
+    check_mode,
+)
+from app.engines.vllm_requests import STOP_REASONS, sampling_params, token_logprobs
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.prepared import Prepared
 from app.settings import ServeSettings
-from app.vllm_requests import STOP_REASONS, sampling_params, token_logprobs
-from app.worker import Job, Models, admit, build_prompt, check_mode
 from d3d.backends.sizes import kv_bytes_per_token
 from d3d.config import SamplingConfig
 from d3d.model.load import TargetText, load_text
@@ -280,7 +290,7 @@ class VllmWorker:
             if prepared is None:
                 return
             job.admitted = time.perf_counter()
-            job.put("prepared", prepared)
+            job.put(PromptReady(prepared))
             rid = f"d3d-{next(self._ids)}-{os.getpid()}"
             sp = sampling_params(
                 job.sampling, job.max_new_tokens, self.eos, job.mode, job.n, job.logprobs
@@ -300,7 +310,7 @@ class VllmWorker:
                             self._gauges()
                         counts[i] += len(ids)
                         lps = token_logprobs(o, ids) if job.logprobs is not None else None
-                        job.put("tokens", (i, ids, lps))
+                        job.put(Tokens(i, ids, lps))
                     if o.finish_reason:
                         reasons[i] = STOP_REASONS.get(o.finish_reason, o.finish_reason)
             d3d = await self._d3d_stats(loop, rid, job.mode)
@@ -309,18 +319,18 @@ class VllmWorker:
                     d3d, job, len(prepared.prompt_ids), counts[i], reasons[i], t0, first_at
                 )
                 self.metrics.observe_stats(stats if i == 0 else {**stats, "prompt_tokens": 0})
-                job.put("done", (i, stats))
+                job.put(Finished(i, stats))
         except asyncio.CancelledError:
             pass  # the client left or timed out: vLLM aborted the request
         except ValueError as exc:  # vLLM refuses the request (e.g. longer than its window)
-            job.put("error", ApiError(400, str(exc)))
+            job.put(JobFailed(ApiError(400, str(exc))))
         except Exception as exc:
             if self.llm is not None and getattr(self.llm, "errored", False):
                 self._check_engine()
-                job.put("error", ApiError(503, "the engine died", kind="server_error"))
+                job.put(JobFailed(ApiError(503, "the engine died", kind="server_error")))
                 return
             log.exception("a request failed on vLLM")
-            job.put("error", ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error"))
+            job.put(JobFailed(ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error")))
         finally:
             if started:
                 self._running -= 1
