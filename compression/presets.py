@@ -5,12 +5,11 @@
   docs/longbench.md); for other targets, the whole drafter.
 - The scorer ``auto`` stands for (:func:`resolve_scorer`): the drafter's question likelihood
   (``drafter``) where that reading costs at most a tenth of the target's prefill, else the
-  question matched by meaning in the drafter's first two layers (``drafter-match``, ~3-7 % of a
-  prefill whatever the drafter's depth): measured in docs/scorers.md. ``drafter`` and not
-  ``hybrid`` (the same reading fused with BM25): on the recall sets ``drafter`` keeps at least
-  ``hybrid``'s evidence in every cell (LongBench at keep 0.05: 8 of 13 rows against 6), and on
-  the LongBench sweep their scores tie (hybrid - drafter +1.4 [-1.7, 5.1] at keep 0.1, -2.1
-  [-8.7, 4.3] at 0.05).
+  question matched by meaning in the drafter's first two layers (``drafter-match``, a small
+  share of a prefill whatever the drafter's depth): measured in docs/scorers.md. ``drafter`` and
+  not ``hybrid`` (the same reading fused with BM25): on the recall sets ``drafter`` keeps at
+  least ``hybrid``'s evidence in every cell, and on the LongBench sweep their scores tie
+  (measured: docs/results.md, "Figures from the code's docstrings").
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ from d3d.model.load import DEFAULT_SPECS
 # words); the shipped 7-layer drafter's own heads, trained for drafting, rank it at chance. So
 # the embedded default reads with the first 8 target layers: through the drafter itself when the
 # drafter's layers are those frozen target layers (a gated-adapter drafter), else with a copy.
-# Windows of 1,024 tokens make the reading linear in length (at 8k tokens: 5.3 s instead of
-# 13.8 s on one thread, against 63 s for the target's prefill); 512-token windows read faster
-# but double the query passes, which a second question pays (docs/longbench.md).
+# Windows of 1,024 tokens make the reading linear in length, and much shorter than the target's
+# prefill at 8k tokens (measured: docs/results.md, "Figures from the code's docstrings");
+# 512-token windows read faster but double the query passes, which a second question pays
+# (docs/longbench.md).
 RETRIEVAL_HEADS = ((7, 7),)
 RETRIEVAL_DEPTH = 8
 SMOLLM2_ATTENTION = AttentionScoring(

@@ -24,8 +24,9 @@ and calls ``on_fatal`` (:mod:`app.watch`, :mod:`app.lifecycle`).
 The engine thread shares the interpreter with the event loop (and the reader): every torch op
 lets go of the GIL, and taking it back waits, when another thread holds it, until Python asks
 that thread to hand it on, 5 ms by default. :meth:`EngineWorker.start` shortens that to
-:data:`SWITCH_S` for the process (measured, streaming clients: 16 +2-4 %, 64 +1 %, one +2 %;
-long prompts, where the engine thread sits inside long ops, no change).
+:data:`SWITCH_S` for the process: streaming clients gain a little, long prompts (where the engine
+thread sits inside long ops) nothing (measured: docs/results.md, "Figures from the code's
+docstrings").
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ and speculates (verifying the first n* drafts of the block) iff ``E(n*) / t_roun
   one forward all rows share: a round there must beat that share, ``t_step`` replaced by it in
   both sides of the rule (copy rounds too), and a batched step's time teaches the host nothing.
 - Verifying fewer drafts is the lever on a host where the verify forward is expensive (this
-  CPU: 16 tokens cost ~2.4 steps): a drafter accepted ~50% at position 1 pays at n = 2-4 and
-  loses at n = 15.
+  CPU): a drafter of modest acceptance can pay at a few drafts and lose at the whole block
+  (measured: docs/results.md, "Figures from the code's docstrings").
 - Each figure is measured before it is trusted: a request takes one plain step when the host has
   no step time, and speculates with the whole block while it lacks round figures.
 - While off it *probes*: after ``probe_every`` plain tokens it runs ``probe_rounds`` speculative

@@ -3,8 +3,9 @@ acceptance the drafter ships with.
 
 A fresh process knows nothing of its host, so ``auto`` measured on the first request's own time:
 a plain step, speculative rounds until the drafter's figures were known, then probes every 16
-plain tokens, doubling while they lose. On this CPU that cost about 1.3 s of a 3.4 s answer (the
-first ``make demo`` on a machine ran at 0.72x the target alone). :func:`seed` replaces that:
+plain tokens, doubling while they lose. On this CPU that cost a large share of a short answer's
+time, enough to make the first ``make demo`` on a machine slower than the target alone
+(measured: docs/results.md, "Figures from the code's docstrings"). :func:`seed` replaces that:
 
 - :func:`calibrate` times, on a short synthetic context, the target's plain step and its verify
   of a whole block, and one drafter block, a few times each (well under a second at load), and
@@ -17,9 +18,10 @@ first ``make demo`` on a machine ran at 0.72x the target alone). :func:`seed` re
   ``d3d accept``) into position counts worth a few rounds, so that real rounds soon outweigh it.
 - With both, the policy decides at the first token. Where speculation loses, the first probe is
   paced as if a probe had just been measured at these figures, its drafter's catch-up included
-  (:meth:`d3d.decoding.policy.SpeculationPolicy.pace`): a drafter that re-reads every skipped token at a
-  cost above 1 % of a plain step per token (the shipped one, as deep as the target, at about 7 %
-  on this CPU) can never pay a probe back, and is probed only every 2,048 tokens.
+  (:meth:`d3d.decoding.policy.SpeculationPolicy.pace`): a drafter that re-reads every skipped
+  token at a cost above 1 % of a plain step per token (the shipped one, as deep as the target,
+  costs more; measured: docs/results.md, "Figures from the code's docstrings") can never pay a
+  probe back, and is probed only every 2,048 tokens.
 
 Costs stored by an earlier process on this host (:mod:`d3d.engine.cost_memory`) win: :func:`seed` does
 nothing once the host has a plain step's time.

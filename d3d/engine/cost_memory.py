@@ -1,15 +1,15 @@
 """The host's measured decoding costs, kept between processes.
 
-``auto`` decides from figures it measures (:class:`d3d.decoding.policy.HostCosts`): the plain step, the
-verify's cost per token, the drafter's wait and acceptance, copy rounds per match length, probe
-pacing. A long-lived engine (the service) learns them once. A one-shot command (``d3d generate``,
-``d3d qa``) would pay the first measurements in every process: the drafter's first speculative
-rounds and each copy-match length's trial rounds, about 1 s on this CPU for a 56-token answer
-that plain decoding makes in 2.7 s. So a command's engine loads what the previous process on
-this host measured and leaves its own figures when the process ends: one JSON file per host,
-models, devices, dtype, thread count and packing (:func:`costs_path`). Probes keep refreshing
-the figures, so a stale file costs no more than a fresh start; a missing, damaged or foreign
-file is a fresh start.
+``auto`` decides from figures it measures (:class:`d3d.decoding.policy.HostCosts`): the plain
+step, the verify's cost per token, the drafter's wait and acceptance, copy rounds per match
+length, probe pacing. A long-lived engine (the service) learns them once. A one-shot command
+(``d3d generate``, ``d3d qa``) would pay the first measurements in every process: the drafter's
+first speculative rounds and each copy-match length's trial rounds, a large share of a short
+answer's time on this CPU (measured: docs/results.md, "Figures from the code's docstrings"). So a
+command's engine loads what the previous process on this host measured and leaves its own
+figures when the process ends: one JSON file per host, models, devices, dtype, thread count and
+packing (:func:`costs_path`). Probes keep refreshing the figures, so a stale file costs no more
+than a fresh start; a missing, damaged or foreign file is a fresh start.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 With a speculative configuration and synchronous scheduling (always, for a ``custom_class``
 proposer; vLLM's CPU platform schedules synchronously whatever the method), vLLM 0.32's engine
 core follows every step with one more round trip to its model-runner process,
-``take_draft_token_ids``, to hand the proposer's drafts to its scheduler. Measured on this CPU
-(``vllm.LLM``, a proposer that never drafts, plain steps installed): that round trip
-(``EngineCore.post_step``) is 0.4-1.0 ms a step, and everything else the configuration adds is
-within noise. ``auto`` drafts nothing where speculation does not pay, and ``ar`` never drafts, so
-most of those round trips fetched nothing.
+``take_draft_token_ids``, to hand the proposer's drafts to its scheduler. On this CPU that round
+trip (``EngineCore.post_step``) is what the configuration costs a step, everything else it adds
+within noise (measured: docs/results.md, "Figures from the code's docstrings"). ``auto`` drafts
+nothing where speculation does not pay, and ``ar`` never drafts, so most of those round trips
+fetched nothing.
 
 Two halves, one per process:
 

@@ -25,11 +25,10 @@ draft ids per row of its input batch. This adapter holds no rule of its own:
   nothing of requests joining, finishing, being preempted or resuming.
 
 vLLM verifies drafts without their probabilities. On vLLM's CPU build (0.32) that verification
-does not keep a sampled request's distribution (measured: a constant draft accepted 86 % of the
-time where the target gives it 1 %; given one-hot draft probabilities instead, the correction
-token comes out as token 0 nine times in ten: ``tests/vllm/test_vllm_sampling.py``), so there
-the proposer drafts for greedy requests only and sampled ones decode plainly (exact); on CUDA
-(vLLM's Triton kernels) sampled requests speculate too.
+does not keep a sampled request's distribution (``tests/vllm/test_vllm_sampling.py``; measured:
+docs/results.md, "Figures from the code's docstrings"), so there the proposer drafts for greedy
+requests only and sampled ones decode plainly (exact); on CUDA (vLLM's Triton kernels) sampled
+requests speculate too.
 
 A step in which no row drafts (every ``ar`` row, ``auto`` where speculation does not pay) takes
 vLLM's plain path, not its speculative one with nothing to verify (:mod:`d3d.vllm.plain_steps`),

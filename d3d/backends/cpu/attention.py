@@ -6,9 +6,9 @@ block table. The engine's slabs (:mod:`d3d.backends.slabs`) are such a cache alr
 taken as one block (a slab's capacity is a multiple of 64, the kernel takes multiples of 32) and
 the keys are stored as the kernel reads a block's keys, transposed (``[S, Hkv, D, C]``, found by
 writing through vLLM's ``cpu_attn_reshape_and_cache``); values are stored as the slabs store them.
-Measured against the engine's own CPU paths (SmolLM2-135M's heads, one layer, fp32, two threads):
-0.51x the time for eight 256-token prompt chunks (torch's flash kernel, a call per row), 0.76x for
-a 2,048-token prompt, 0.69x / 0.89x for a 16- / 64-row decode step (two matmuls), to 4.5e-7.
+It takes less time than the engine's own CPU paths (torch's flash kernel, a call per row, for
+prompt chunks; two matmuls for decode steps), with the same results to float rounding
+(measured: docs/results.md, "Figures from the code's docstrings").
 
 :func:`enable` marks a model's attention modules when the kernel, on a sample slab of the model's
 head shape, gives what PyTorch's attention gives; :func:`paged_attention` tells the engine's KV to

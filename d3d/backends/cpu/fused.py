@@ -1,13 +1,13 @@
 """A decoder layer's element-wise work in vLLM's one-pass CPU kernels, where vLLM is installed.
 
-Profiled here (SmolLM2-135M, fp32, both cores, eight 256-token prompts in one forward): the
-linear maps cost the own engine what they cost vLLM (oneDNN either way, 1.14-1.16 s), but the
-element-wise rest cost ~300 ms against vLLM's ~80 ms, which it compiles into fused kernels. Each
+Profiled here: the linear maps cost the own engine what they cost vLLM (oneDNN either way), but
+the element-wise rest cost several times what it costs vLLM, which compiles it into fused
+kernels (measured: docs/results.md, "Figures from the code's docstrings"). Each
 RMSNorm is six passes over the hidden states in eager PyTorch (square, mean, add, rsqrt, two
 multiplies) and each rotary embedding five per query and key (two multiplies, negate,
 concatenate, add). vLLM's CPU build ships both as single kernels (``_C.rms_norm``,
-``_C.rotary_embedding``, in place); with them the engine's forward measured 0.93x as long on
-that prefill and 0.94-0.95x on 1-, 16- and 64-row decode steps (alternated in one process).
+``_C.rotary_embedding``, in place); with them the engine's forward is shorter on prefills and
+decode steps alike (measured: docs/results.md, "Figures from the code's docstrings").
 
 :func:`fuse` applies them to one CPU model, in place, and only where a sample shows they compute
 what the model's own code computes (to float rounding):

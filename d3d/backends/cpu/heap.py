@@ -6,9 +6,9 @@ freed, to at most 32 MiB) with a fresh ``mmap`` and unmaps it on ``free``; the h
 given back to the system past the trim threshold. A CPU forward over a long prompt chunk makes
 tensors of 4-13 MB at almost every op (a 2,048-token chunk's MLP activation alone is 12.6 MB for
 SmolLM2-135M), so the outputs of element-wise ops were freshly mapped memory whose every 4 KiB page
-was zeroed by a page fault on first touch. Measured here (SmolLM2-135M, fp32, two threads, eight
-256-token prompts in one forward): 0.94-0.98 ms a token, 0.79-0.87 with freed memory kept; ``silu``
-over the MLP activation 3.0 ms -> 1.1 ms a call; a decode step's small tensors are unchanged.
+was zeroed by a page fault on first touch. Keeping freed memory makes a prompt forward's tokens
+and its element-wise ops cheaper; a decode step's small tensors are unchanged
+(measured: docs/results.md, "Figures from the code's docstrings").
 
 :func:`keep_freed_memory` raises both thresholds (``mallopt``) once per process: memory freed by
 one forward is reused by the next, at the cost of the process keeping its peak activation
@@ -16,12 +16,12 @@ memory (a few hundred MB at the largest chunk) instead of giving it back between
 Nothing changes where the C library is not glibc (musl, macOS): the call reports False.
 
 :func:`pretouch` faults pages in ahead of time and leaves them free in the heap. On this host the
-first touch of memory the process has not used before grows costly once a few GB are in use
-(measured: 1.1 GB of fresh pages zeroed in 0.25 s at first, 1.8-2.0 s once 3 GB were in use,
-~13 us a page fault, the host backing guest memory on first touch), and a burst of requests
-allocates the KV slabs of all its rows in one step (64 chat rows: 1.1 GB, a 2-second stall in a
-1.7-second step). The service therefore touches its working KV memory at warm-up, as vLLM
-touches the KV cache it allocates at start; the slabs of the burst then reuse those pages.
+first touch of memory the process has not used before grows costly once a few GB are in use (the
+host backs guest memory on first touch), and a burst of requests allocates the KV slabs of all
+its rows in one step, which then stalls on those page faults
+(measured: docs/results.md, "Figures from the code's docstrings"). The service therefore touches
+its working KV memory at warm-up, as vLLM touches the KV cache it allocates at start; the slabs
+of the burst then reuse those pages.
 """
 
 from __future__ import annotations

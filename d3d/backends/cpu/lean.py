@@ -1,11 +1,11 @@
 """A Llama-family decoder's forward in vLLM's CPU kernels, without Hugging Face's layer code.
 
-Profiled here (SmolLM2-135M, fp32, both cores), a 16-row decode step through the Hugging Face
-model spent ~15 % of its time outside any kernel: per layer, the modules' calls, their hooks and
-keyword plumbing, the attention-interface dispatch, a position table rebuilt every forward, and
-seven linear maps where four do (q / k / v read the same input, so do gate / up). vLLM avoids
-both by running its own model code, compiled. :class:`LeanDecoder` is the same forward written
-out once, over the same weights:
+Profiled here, a decode step through the Hugging Face model spent a share of its time outside
+any kernel (measured: docs/results.md, "Figures from the code's docstrings"): per layer, the
+modules' calls, their hooks and keyword plumbing, the attention-interface dispatch, a position
+table rebuilt every forward, and seven linear maps where four do (q / k / v read the same input,
+so do gate / up). vLLM avoids both by running its own model code, compiled. :class:`LeanDecoder`
+is the same forward written out once, over the same weights:
 
     h = embed(ids)
     for each layer:   x, r = add_norm(h, r)           one pass: r += h; x = rmsnorm(r)
@@ -17,10 +17,10 @@ out once, over the same weights:
                       h = (silu(g) * u) @ Wdown        g | u from one packed map
     logits = head(norm(h + r)[keep])                  only the kept positions
 
-Measured against the Hugging Face forward with the same fused kernels, in one process
-(alternated, medians): a 1-row decode step 0.93x as long, 16 rows 0.86x, 64 rows 0.93x, a
-16-row verify of four tokens each 0.92x, four 256-token prompts 0.985x; the logits were equal
-(the fused maps compute each output column as the separate ones do).
+It takes less time than the Hugging Face forward with the same fused kernels, for decode steps,
+verifies and prompts alike (measured: docs/results.md, "Figures from the code's docstrings"),
+and its logits equal that forward's (the fused maps compute each output column as the separate
+ones do).
 
 :func:`attach` builds one for a model where vLLM's CPU build is installed and every layer has
 the expected form (checked by structure here; the CPU backend also checks a sample of logits

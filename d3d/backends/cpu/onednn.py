@@ -5,10 +5,9 @@ primitive per input shape (its rows and row stride), shared by every handler of 
 shape. A oneDNN primitive divides its work among the threads there were when it was built, and
 keeps doing so. The engine runs the target on fewer threads while a drafter process drafts
 (:meth:`d3d.engine.Engine.cpu_budget`), so a shape first seen then is built for fewer threads and
-kept for every later forward at full strength. Measured here (SmolLM2-135M, two cores, served):
-the 16-token primitive that load-time calibration built on one thread made every later 16-token
-forward run its matmuls on one core (30 layers' gate/up maps 29.5 ms against 15.0 for 15 or 17
-rows), a 16-row decode step 98 ms against 63 for 17 tokens, in every mode.
+kept for every later forward at full strength: a primitive that load-time calibration built on
+one thread made every later forward of that size run its matmuls on one core, in every mode
+(measured: docs/results.md, "Figures from the code's docstrings").
 
 :func:`mm` gives each thread count its own primitives. Under the count the handlers were made
 with (the target's full budget, :func:`handler`), an input goes as it is; under another, it is

@@ -2,19 +2,19 @@
 
 ``F.linear`` on a CPU hands each call to a BLAS that reads the weight in its stored layout; for
 the few rows of a decode step or a verify forward that layout is what costs. oneDNN can keep
-the weight in the blocked layout its kernels read (packed once, at load), which measured here
-(SmolLM2-135M, fp32, one thread, context 460) made a 16-token verify forward 0.70x as long and
-a 300-token prefill 0.80x (``d3d bench`` prints the forwards' times). For one or two rows (a
-lone request's decode step) the packed kernel is the slower one (torch 2.13: a one-row decode
-step 1.25-1.3x as long at one and at two threads, measured in the engine; from four rows on
-packing wins), so those inputs read the weight as stored (``SMALL``).
+the weight in the blocked layout its kernels read (packed once, at load), which makes verify
+forwards and prefills shorter (``d3d bench`` prints the forwards' times). For one or two rows (a
+lone request's decode step) the packed kernel is the slower one (from four rows on packing
+wins), so those inputs read the weight as stored (``SMALL``) (measured: docs/results.md,
+"Figures from the code's docstrings").
 
 Where vLLM's CPU build is installed, the packed copy is vLLM's oneDNN matmul handler rather than
 torch's (``create_onednn_mm``: the same library, with a primitive cached per input size): in the
-engine's forward it made 16- and 32-row decode steps 0.90-0.93x as long as torch's
-``mkldnn._linear_pointwise`` (64 rows 0.97-1.0x, prefill the same), because torch sets up each
-call's primitive anew. Its calls go through :mod:`d3d.backends.cpu.onednn`, which keeps a primitive for
-each thread budget (vLLM's cache would otherwise keep one built for the reduced budget of a
+engine's forward it makes mid-sized decode steps shorter than torch's
+``mkldnn._linear_pointwise`` (large batches and prefill about the same; measured:
+docs/results.md, "Figures from the code's docstrings"), because torch sets up each call's
+primitive anew. Its calls go through :mod:`d3d.backends.cpu.onednn`, which keeps a primitive
+for each thread budget (vLLM's cache would otherwise keep one built for the reduced budget of a
 speculative step and run later full-budget steps of that size on fewer threads).
 
 :func:`pack_linears` turns a model's ``nn.Linear`` modules into :class:`PackedLinear` in place
