@@ -7,7 +7,8 @@ included, as the own engine's records have it). No drafter: vLLM alone, with its
 batching of up to ``batch_size`` sequences and, on a GPU, its compiled kernels and graphs.
 
 Records are written as each chunk of prompts (a few batches) finishes, so a killed run keeps what
-it had and a rerun resumes (:func:`d3d.training.responses.generate_data` skips written ids).
+it had and a rerun resumes (:func:`d3d.training.responses.generate_data` skips written ids);
+vLLM's engine starts with the first prompt left to answer, so a rerun with none starts nothing.
 The process holds the target once, in vLLM; this side reads only the tokenizer and the end ids
 (:func:`d3d.model.load.load_text`). Soft labels (``--keep-topk``) need the target's full
 distribution at every response position, which this path does not compute: they are refused
@@ -36,19 +37,26 @@ class VllmResponder:
     def __init__(
         self, cfg: ModelConfig, batch_size: int, max_model_len: int | None = None, eager=False
     ):
+        self.cfg = replace(cfg, drafter="none")  # vLLM alone: data is the target's own text
+        self.text = load_text(self.cfg.target)
+        self.args = engine_args(
+            self.cfg, max_batch=batch_size, eager=eager, max_model_len=max_model_len or None
+        )
+        self.args.pop("served_model_name", None)
+        self.args["skip_tokenizer_init"] = True  # ids in, ids out: the tokenizer lives here
+        self.llm = None
+
+    def start(self) -> None:
+        """Start vLLM's engine (once; the first prompt to answer starts it, so a rerun with
+        nothing left to write never does)."""
+        if self.llm is not None:
+            return
         from vllm import LLM
 
-        cfg = replace(cfg, drafter="none")  # vLLM alone: data is the target's own text
-        self.text = load_text(cfg.target)
-        prepare_env(cfg)
-        args = engine_args(
-            cfg, max_batch=batch_size, eager=eager, max_model_len=max_model_len or None
-        )
-        args.pop("served_model_name", None)
-        args["skip_tokenizer_init"] = True  # ids in, ids out: the tokenizer lives here
-        log.info("vLLM engine arguments for data: %s", args)
-        with on_vllm_cores(cfg):
-            self.llm = LLM(**args)
+        prepare_env(self.cfg)
+        log.info("vLLM engine arguments for data: %s", self.args)
+        with on_vllm_cores(self.cfg):
+            self.llm = LLM(**self.args)
 
     @property
     def tokenizer(self):
@@ -65,6 +73,8 @@ class VllmResponder:
             stop_token_ids=sorted(self.text.eos_token_ids),
             detokenize=False,
         )
+        if prompts:
+            self.start()
         chunk = max(1, batch_size * CHUNK_BATCHES)
         for start in range(0, len(prompts), chunk):
             part = [{"prompt_token_ids": list(p)} for p in prompts[start : start + chunk]]

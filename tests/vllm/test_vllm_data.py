@@ -1,6 +1,7 @@
 """``d3d data --engine vllm`` writes the records ``d3d data`` writes: the same prompts, the same
-greedy response ids (the end id included), the same fields; a rerun resumes; soft labels are
-refused with a message rather than silently left out."""
+greedy response ids (the end id included), the same fields; a rerun resumes (and with nothing
+left to write does not start vLLM); soft labels are refused with a message rather than silently
+left out."""
 
 from __future__ import annotations
 
@@ -61,5 +62,6 @@ def test_vllm_writes_the_own_engines_records(tmp_path):
     # A rerun writes nothing new; soft labels are the own engine's.
     again = d3d(*common, "--out", str(tmp_path / "vllm.jsonl"), "--engine", "vllm")
     assert report(again)["written"] == 0
+    assert "EngineCore" not in again.stdout + again.stderr  # nothing left: vLLM never started
     topk = d3d(*common, "--out", str(tmp_path / "k.jsonl"), "--engine", "vllm", "--keep-topk", "4")
     assert topk.returncode == 2 and "--keep-topk" in topk.stderr
