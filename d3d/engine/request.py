@@ -112,7 +112,6 @@ class Row:
     prefilled: int = 0  # prompt tokens in the KV (a cached prefix included)
     prefill_s: float = 0.0  # target time spent on this row's prompt
     first_token_at: float = 0.0
-    proposal: Proposal | None = None
     prefix_key: str = ""  # the prefix cache's key of the shared prefix ("" until asked)
     stops: set[int] = field(default_factory=set)
     history: History | None = None
@@ -124,3 +123,28 @@ class Row:
     @property
     def prompt_left(self) -> int:
         return len(self.req.prompt_ids) - self.prefilled
+
+
+@dataclass(eq=False)
+class RowStep:
+    """One row's part of a step: what it feeds the step's one forward and what comes back.
+
+    A decoding row's round feeds its anchor and its ``proposal``'s drafts and keeps every
+    position's logits; a row reading its prompt feeds the next chunk (``proposal`` None) and
+    keeps only the last position's logits, where that chunk ends the prompt (``last``).
+    ``logits`` and ``top`` (the argmax where the step took one) are filled by the forward.
+    """
+
+    row: Row
+    ids: list[int]
+    proposal: Proposal | None = None
+    last: bool = False
+    logits: torch.Tensor | None = None
+    top: list[int] | None = None
+
+    @property
+    def keep(self) -> list[int] | None:
+        """The positions whose logits the forward returns (None: all)."""
+        if self.proposal is not None:
+            return None
+        return [len(self.ids) - 1] if self.last else []

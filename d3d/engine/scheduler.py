@@ -29,10 +29,14 @@ Rows keep the invariants of every mode (the KV holds the committed tokens but th
 last token of every round comes from the target), so each row's greedy output is plain greedy
 decoding of the target, whatever else shares the batch.
 
-Why one file of about 470 lines: it is one class whose step reads and writes the batch's rows,
+Each row's part of a step is one :class:`~d3d.engine.request.RowStep` (its round's proposal or
+its prompt chunk, its slice of the forward, its logits): :meth:`Scheduler.step` reads as the
+algorithm, each stage a call over those parts.
+
+Why one file of about 480 lines: it is one class whose step reads and writes the batch's rows,
 their KV and the policy's state together; what is pure already lives elsewhere (acceptance and
 proposers in :mod:`d3d.decoding`, the KV budget in :mod:`d3d.engine.kv_store`, shared prefixes in
-:mod:`d3d.engine.prefixes`). Splitting the step into typed per-row plans is where it shrinks.
+:mod:`d3d.engine.prefixes`, the per-row parts in :mod:`d3d.engine.request`).
 
 Letters: n decoding rows, T new tokens per row, K draft length, V vocab.
 """
@@ -51,12 +55,12 @@ from d3d.backends.kv import KvLimitError
 from d3d.backends.sizes import window as model_window
 from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.processors import History
-from d3d.decoding.proposers import NO_DRAFT, Proposal, Proposer
+from d3d.decoding.proposers import NO_DRAFT, Proposer
 from d3d.decoding.stats import DecodeStats, Round
 from d3d.decoding.verify import Acceptance, accept
 from d3d.engine.kv_store import PrefixCache
 from d3d.engine.prefixes import SharedPrefixes
-from d3d.engine.request import GenRequest, Row
+from d3d.engine.request import GenRequest, Row, RowStep
 from d3d.sampling import TokenLogprob, make_generator
 from d3d.worker.budget import round_seconds
 
@@ -208,13 +212,19 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
-        """Drop cancelled rows, admit, then one forward: the decoding rows' rounds and the next
-        chunks of the prompts being read."""
+        """One step, as the algorithm reads (module docstring): admit, propose, one forward,
+        accept and emit; then the worker hears the commits and finished rows leave."""
         try:
             self._drop_cancelled()
             self._admit()
             if self.rows:
-                self._forward()
+                t0 = self.clock.wall()  # the last step's tokens came back: the devices are idle
+                rounds = self._propose([r for r in self.rows if r.decoding])
+                width = sum(len(p.ids) for p in rounds)
+                chunks = self._chunks([r for r in self.rows if not r.decoding], width)
+                seconds = self._forward(rounds, chunks)
+                self._accept(rounds, seconds, t0, shared=bool(chunks))
+                self._read(chunks, seconds, width + sum(len(p.ids) for p in chunks))
             self.after_step(self.rows)
             self._sweep()
         except Exception as exc:  # a failed forward fails its batch, never the engine
@@ -256,57 +266,51 @@ class Scheduler:
             self.prefixes.reuse(row)
 
     # -- the step's forward --------------------------------------------------------------------
-    def _forward(self) -> None:
-        t0 = self.clock.wall()  # the last step's tokens came back: the devices are idle
-        decoding = [r for r in self.rows if r.decoding]
-        proposals = self._propose(decoding)
-        ids = [[r.tokens[-1], *p.tokens.tolist()] for r, p in zip(decoding, proposals, strict=True)]
-        decode_tokens = sum(map(len, ids))
-        chunks = self._chunks([r for r in self.rows if not r.decoding], decode_tokens)
-        runs = [r.req.prompt_ids[r.prefilled : r.prefilled + n] for r, n in chunks]
-        done = [r.prefilled + n == len(r.req.prompt_ids) for r, n in chunks]
-        ends = [[n - 1] if d else [] for (_, n), d in zip(chunks, done, strict=True)]
-        keep = [None] * len(ids) + ends
-        rows = [*decoding, *(r for r, _ in chunks)]
-        logits = self.target.forward([r.kv for r in rows], [*ids, *runs], keep)
-        tops = self._tops(rows, logits)
+    def _forward(self, rounds: Sequence[RowStep], chunks: Sequence[RowStep]) -> float:
+        """ONE target forward over every row's part (the rounds first, then the prompt chunks);
+        each part gets its logits (and its argmax where :meth:`_tops` takes one). Returns the
+        forward's seconds, which teach the prefill budget and, with no chunk beside them, are
+        the rounds' verify time."""
+        parts = [*rounds, *chunks]
+        logits = self.target.forward(
+            [p.row.kv for p in parts], [p.ids for p in parts], [p.keep for p in parts]
+        )
+        for p, lg, top in zip(parts, logits, self._tops(parts, logits), strict=True):
+            p.logits, p.top = lg, top
         seconds = self.target.last_seconds
-        tokens = decode_tokens + sum(n for _, n in chunks)
-        self.prefill_budget.observe(tokens, seconds)
-        self.last_verify_s = seconds if decoding and not chunks else None
-        at = len(decoding)
-        if decoding:
-            self._accept(decoding, proposals, logits[:at], tops[:at], seconds, t0, bool(chunks))
-        for (row, n), d, lg, top in zip(chunks, done, logits[at:], tops[at:], strict=True):
-            self.kv.commit(row.kv, n)
-            row.prefilled += n
-            row.prefill_s += seconds * n / tokens
-            self.prefixes.keep(row)
-            if d:
-                self._first_token(row, lg[-1], top)
+        self.prefill_budget.observe(sum(len(p.ids) for p in parts), seconds)
+        self.last_verify_s = seconds if rounds and not chunks else None
+        return seconds
 
-    def _tops(self, rows: Sequence[Row], logits: Sequence[torch.Tensor]) -> list[list[int] | None]:
+    def _tops(
+        self, parts: Sequence[RowStep], logits: Sequence[torch.Tensor]
+    ) -> list[list[int] | None]:
         """Each plain greedy row's argmax at its kept positions, from ONE argmax over the step's
         logits (one call per row cost ~0.1 ms each at a 49k vocabulary: 5 % of a 64-row step);
         None for the other rows (sampled, penalised, or asking for logprobs)."""
-        plain = [_plain_greedy(r) for r in rows]
+        plain = [_plain_greedy(p.row) for p in parts]
         if not any(plain):
-            return [None] * len(rows)
+            return [None] * len(parts)
         flat = self.target.last_logits.argmax(dim=-1).tolist()
         out, at = [], 0
-        for lg, p in zip(logits, plain, strict=True):
-            out.append(flat[at : at + lg.shape[0]] if p else None)
+        for lg, ok in zip(logits, plain, strict=True):
+            out.append(flat[at : at + lg.shape[0]] if ok else None)
             at += lg.shape[0]
         return out
 
-    def _propose(self, rows: Sequence[Row]) -> list[Proposal]:
-        """Every decoding row's proposal. Rows that price their rounds are told their share of
-        the step first (:meth:`share_s`): every verified token widens the one flat forward,
-        whichever row it belongs to, so a round pays in a batch only against that share."""
+    def _propose(self, rows: Sequence[Row]) -> list[RowStep]:
+        """Every decoding row's round: its anchor and its proposer's drafts. Rows that price
+        their rounds are told their share of the step first (:meth:`share_s`): every verified
+        token widens the one flat forward, whichever row it belongs to, so a round pays in a
+        batch only against that share."""
         share, token_s = self._prices(len(rows))
         for r in rows:
             r.proposer.batch(share, token_s)
-        return [r.proposer.propose(r.tokens) for r in rows]
+        rounds = []
+        for r in rows:
+            p = r.proposer.propose(r.tokens)
+            rounds.append(RowStep(r, [r.tokens[-1], *p.tokens.tolist()], p))
+        return rounds
 
     def share_s(self, rows: int) -> float | None:
         """A decoding row's share of a plain step among ``rows`` rows: the step's time from the
@@ -318,30 +322,22 @@ class Scheduler:
         """(a row's share of the step, a token's cost ``b``) from one fit; (None, None) alone."""
         return batch_prices(self.prefill_budget.cost, rows)
 
-    def _accept(
-        self,
-        rows: Sequence[Row],
-        proposals: Sequence[Proposal],
-        logits: Sequence[torch.Tensor],
-        tops: Sequence[list[int] | None],
-        seconds: float,
-        t0: float,
-        shared: bool,
-    ) -> None:
-        """Accept every row's round, then commit, tell its proposer, emit and record it
-        (``tops``: :meth:`_tops`). ``shared``: prompt chunks rode in the
-        forward too, so its time is no row's own."""
-        accs = [
-            self._round(r, lg, p.tokens, p.q, top)
-            for r, p, lg, top in zip(rows, proposals, logits, tops, strict=True)
-        ]
+    def _accept(self, rounds: Sequence[RowStep], seconds: float, t0: float, shared: bool) -> None:
+        """Accept every row's round, then commit, tell its proposer, emit and record it.
+        ``shared``: prompt chunks rode in the forward too, so its time is no row's own."""
+        if not rounds:
+            return
+        accs = [self._round(p.row, p.logits, p.proposal.tokens, p.proposal.q, p.top)
+                for p in rounds]  # fmt: skip
         now = self.clock.wall()  # after the step's tokens came back: no wait
         step_s = now - t0  # waits for blocks + the forward + acceptance
         # A hit step: every row that drafted with the worker had its block ready (the drafting
         # was hidden); only those steps are counted as such, against their verify forward.
-        hit_step = any(p.hit for p in proposals) and all(p.hit is not False for p in proposals)
-        widest = max(p.k for p in proposals)
-        for row, p, acc in zip(rows, proposals, accs, strict=True):
+        props = [p.proposal for p in rounds]
+        hit_step = any(p.hit for p in props) and all(p.hit is not False for p in props)
+        widest = max(p.k for p in props)
+        for part, acc in zip(rounds, accs, strict=True):
+            row, p = part.row, part.proposal
             self.kv.commit(row.kv, acc.num_emitted)
             # A round in a wider forward (or beside a prompt) did not pay for it alone.
             row.proposer.observe(acc, round_seconds(p.k, widest, shared, seconds))
@@ -376,7 +372,7 @@ class Scheduler:
         return accept(logits, draft, q, req.sampling, row.generator, row.history, req.logprobs, top)
 
     # -- reading prompts -----------------------------------------------------------------------
-    def _chunks(self, rows: Sequence[Row], decode_tokens: int) -> list[tuple[Row, int]]:
+    def _chunks(self, rows: Sequence[Row], decode_tokens: int) -> list[RowStep]:
         """The next chunk of each prompt being read, shortest first, up to the step's budget.
         A chunk stops at the end of a shared prefix (kept in the prefix cache there); a prefix
         that one row is reading is read by that row alone (:meth:`SharedPrefixes.waits`)."""
@@ -391,14 +387,27 @@ class Scheduler:
         # The budget counts only what these rows read: a row waiting for a prefix, or one whose
         # chunk stops at its prefix's end, lends no tokens to a document read after it.
         budget = self.prefill_budget.tokens(decode_tokens, [n for _, n in wants])
-        out: list[tuple[Row, int]] = []
+        out: list[RowStep] = []
         for row, want in wants:
             if budget <= 0:
                 break
             n = min(want, budget)
-            out.append((row, n))
+            ids = row.req.prompt_ids[row.prefilled : row.prefilled + n]
+            out.append(RowStep(row, ids, last=row.prefilled + n == len(row.req.prompt_ids)))
             budget -= n
         return out
+
+    def _read(self, chunks: Sequence[RowStep], seconds: float, tokens: int) -> None:
+        """Commit each prompt chunk the forward read (its share of the forward's time by
+        tokens); a chunk that ends its prompt gives the row its first token."""
+        for p in chunks:
+            row, n = p.row, len(p.ids)
+            self.kv.commit(row.kv, n)
+            row.prefilled += n
+            row.prefill_s += seconds * n / tokens
+            self.prefixes.keep(row)
+            if p.last:
+                self._first_token(row, p.logits[-1], p.top)
 
     def _first_token(self, row: Row, logits: torch.Tensor, top: list[int] | None = None) -> None:
         """The prompt is read: the first token, reported to the proposer as round 0 (the
