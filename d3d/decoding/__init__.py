@@ -7,6 +7,8 @@
 - :mod:`~d3d.decoding.proposers` the modes as strategy objects (ar, sync; the protocol)
 - :mod:`~d3d.decoding.policy`    ``auto``: speculate only where and as far as measured costs say
 - :mod:`~d3d.decoding.lookup`    copy rounds: drafts copied from the request's own text
+- :mod:`~d3d.decoding.rounds`    a round's bookkeeping, one protocol for both engines: what its
+                                 proposer observes and what is recorded
 - :mod:`~d3d.decoding.stats`     per-round records and per-request statistics (vLLM names)
 - :mod:`~d3d.decoding.costs`     moving averages and fitted lines of measured costs
 - :mod:`~d3d.backends.clock`     the one clock, synchronised with the devices

@@ -56,13 +56,13 @@ from d3d.backends.sizes import window as model_window
 from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.processors import History
 from d3d.decoding.proposers import NO_DRAFT, Proposer
-from d3d.decoding.stats import DecodeStats, Round
+from d3d.decoding.rounds import round_record, round_seconds
+from d3d.decoding.stats import DecodeStats
 from d3d.decoding.verify import Acceptance, accept
 from d3d.engine.kv_store import PrefixCache
 from d3d.engine.prefixes import SharedPrefixes
 from d3d.engine.request import GenRequest, Row, RowStep
 from d3d.sampling import TokenLogprob, make_generator
-from d3d.worker.budget import round_seconds
 
 log = logging.getLogger(__name__)
 
@@ -342,21 +342,8 @@ class Scheduler:
             # A round in a wider forward (or beside a prompt) did not pay for it alone.
             row.proposer.observe(acc, round_seconds(p.k, widest, shared, seconds))
             emitted = self._emit(row, acc.tokens, acc.logprobs, now)
-            row.stats.record(
-                Round(
-                    emitted,
-                    p.k,
-                    acc.num_accepted,
-                    p.wait_s,
-                    seconds,
-                    p.hit,
-                    p.branches,
-                    speculative=p.k > 0,
-                    failed=p.failed,
-                    copied=p.source == "copy",
-                    step_s=step_s if hit_step and not shared else 0.0,
-                )
-            )
+            step = step_s if hit_step and not shared else 0.0
+            row.stats.record(round_record(p, p.k, acc, emitted, seconds, step))
 
     @staticmethod
     def _round(

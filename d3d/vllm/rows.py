@@ -23,7 +23,7 @@ What the engine's step cost, and what a row's share of it is, comes from the tim
 calls (the engine's schedule, forward and sampling) fitted over the tokens the step verified
 (:func:`~d3d.decoding.costs.batch_prices`, the rule the own scheduler prices rows by, over every
 row the step decoded, ``ar`` rows included). That time is also what each round observes, by the
-rule the worker's branch budget reads in both engines (:func:`~d3d.worker.budget.round_seconds`):
+rule the worker's branch budget reads in both engines (:func:`~d3d.decoding.rounds.round_seconds`):
 the rounds that verified the step's widest block report it, unless the step also read a prompt
 (a row still reading, one whose prompt ended in it, or one not seen the step before). It is the
 window the worker has for a step's branches: from the blocks it answered in one call to the
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from d3d.config import SamplingConfig
 from d3d.decoding.costs import LinearCost, batch_prices
 from d3d.decoding.proposers import Proposal, Proposer
-from d3d.decoding.stats import DecodeStats, Round
+from d3d.decoding.rounds import round_record, round_seconds
+from d3d.decoding.stats import DecodeStats
 from d3d.decoding.verify import Acceptance
-from d3d.worker.budget import round_seconds
 
 log = logging.getLogger(__name__)
 
@@ -188,20 +188,7 @@ class RequestRows:
         tokens = list(r.sampled)
         acc = Acceptance(len(tokens) - 1, tokens)
         req.proposer.observe(acc, own_s)
-        p = req.proposal
-        k = len(req.drafts)
-        rnd = Round(
-            tokens,
-            k,
-            acc.num_accepted,
-            p.wait_s if p is not None else 0.0,
-            step_s or 0.0,
-            p.hit if p is not None and k else None,
-            p.branches if p is not None else 0,
-            speculative=k > 0,
-            failed=p.failed if p is not None else False,
-            copied=p is not None and p.source == "copy" and k > 0,
-        )
+        rnd = round_record(req.proposal, len(req.drafts), acc, tokens, step_s or 0.0)
         for st in (req.stats, self.totals):
             st.num_tokens += len(tokens)
             st.record(rnd)

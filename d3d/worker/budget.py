@@ -8,7 +8,7 @@ rounds (with one distinct n seen so far it assumes the chain costs what one bran
 token forward either way) and picks the largest n with ``t(n) <= safety * t_verify``.
 
 Which rounds report a verify time is one rule for every engine that hosts the worker
-(:func:`round_seconds`): a step's forward time goes with the commits of the rounds that verified
+(:func:`d3d.decoding.rounds.round_seconds`): a step's forward time goes with the commits of the rounds that verified
 its widest block, unless prompts were read in the same forward. The worker takes the longest a
 step reports, so in a batch it compares its work with the batched verification it overlaps.
 
@@ -21,15 +21,6 @@ nothing hides behind a verification that holds the drafter's device.
 from __future__ import annotations
 
 from d3d.decoding.costs import Ema, LinearCost
-
-
-def round_seconds(drafts: int, widest: int, prompts: bool, seconds: float | None) -> float | None:
-    """A round's target time as its proposer observes it (and its commit carries to the worker):
-    the step's forward ``seconds`` when the round verified ``drafts`` as many as the step's widest
-    round did and the forward read no prompt, else None (the forward was not this round's alone,
-    or also did other work). A proposer that prices its rounds tells a batch's time from its own
-    by the share it was given; the worker needs the batch's."""
-    return seconds if drafts == widest and not prompts else None
 
 
 class BranchBudget:
