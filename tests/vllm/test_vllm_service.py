@@ -49,8 +49,11 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_serve") / "serve.log"
     cmd = [sys.executable, "-m", "d3d", "serve", "--engine", "vllm", "--vllm-eager",
            "--max-batch", "8", "--port", str(port)]  # fmt: skip
+    # As a user starts it: none of the D3D_* or VLLM_* settings earlier tests left in this
+    # process's environment (vLLM's engine set-up writes them for its own children).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("D3D_", "VLLM_"))}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600
