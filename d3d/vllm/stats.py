@@ -168,20 +168,12 @@ class StatsClient:
         if not os.path.exists(self.path):
             return None
         try:
-            private.check_parent(self.path)
+            return private.connect(self.path, self.timeout)
         except private.NotPrivateError as exc:
             if not self._warned:
                 log.error("D3D stats: refusing %s (%s)", self.path, exc)
                 self._warned = True
             return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.path)
-        except OSError:
-            sock.close()
-            raise
-        return sock
 
     def _drop(self) -> None:
         if self._conn is not None:

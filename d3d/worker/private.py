@@ -76,6 +76,20 @@ def listen(path: str, backlog: int) -> socket.socket:
     return sock
 
 
+def connect(path: str, timeout: float | None = None) -> socket.socket:
+    """A Unix socket connected to ``path`` in a private folder (:class:`NotPrivateError`
+    otherwise; ``timeout``: each call on it gives up after that many seconds)."""
+    check_parent(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def peer_is_us(conn: socket.socket) -> bool:
     """Whether the process at the other end of ``conn`` runs as this user (``SO_PEERCRED``)."""
     if not hasattr(socket, "SO_PEERCRED"):

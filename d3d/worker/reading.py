@@ -228,14 +228,7 @@ class ReadClient:
     def _connect(self) -> Connection:
         if not os.path.exists(self.path):
             raise FileNotFoundError(self.path)
-        private.check_parent(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(self.path)
-        except OSError:
-            sock.close()
-            raise
-        return Connection(sock.detach())
+        return Connection(private.connect(self.path).detach())
 
     def _drop(self) -> None:
         if self._link is not None:
