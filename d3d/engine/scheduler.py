@@ -222,9 +222,9 @@ class Scheduler:
                 rounds = self._propose([r for r in self.rows if r.decoding])
                 width = sum(len(p.ids) for p in rounds)
                 chunks = self._chunks([r for r in self.rows if not r.decoding], width)
-                seconds = self._forward(rounds, chunks)
+                seconds, tokens = self._forward(rounds, chunks)
                 self._accept(rounds, seconds, t0, shared=bool(chunks))
-                self._read(chunks, seconds, width + sum(len(p.ids) for p in chunks))
+                self._read(chunks, seconds, tokens)
             self.after_step(self.rows)
             self._sweep()
         except Exception as exc:  # a failed forward fails its batch, never the engine
@@ -266,21 +266,21 @@ class Scheduler:
             self.prefixes.reuse(row)
 
     # -- the step's forward --------------------------------------------------------------------
-    def _forward(self, rounds: Sequence[RowStep], chunks: Sequence[RowStep]) -> float:
+    def _forward(self, rounds: Sequence[RowStep], chunks: Sequence[RowStep]) -> tuple[float, int]:
         """ONE target forward over every row's part (the rounds first, then the prompt chunks);
         each part gets its logits (and its argmax where :meth:`_tops` takes one). Returns the
         forward's seconds, which teach the prefill budget and, with no chunk beside them, are
-        the rounds' verify time."""
+        the rounds' verify time, and the tokens it read."""
         parts = [*rounds, *chunks]
         logits = self.target.forward(
             [p.row.kv for p in parts], [p.ids for p in parts], [p.keep for p in parts]
         )
         for p, lg, top in zip(parts, logits, self._tops(parts, logits), strict=True):
             p.logits, p.top = lg, top
-        seconds = self.target.last_seconds
-        self.prefill_budget.observe(sum(len(p.ids) for p in parts), seconds)
+        seconds, tokens = self.target.last_seconds, sum(len(p.ids) for p in parts)
+        self.prefill_budget.observe(tokens, seconds)
         self.last_verify_s = seconds if rounds and not chunks else None
-        return seconds
+        return seconds, tokens
 
     def _tops(
         self, parts: Sequence[RowStep], logits: Sequence[torch.Tensor]
