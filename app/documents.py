@@ -231,8 +231,6 @@ class RemoteDocuments:
         }
         try:
             out = self.client.read(args)
-        except ConnectionError as exc:
-            raise ApiError(503, str(exc), kind="server_busy", headers={"Retry-After": "5"}) from exc
-        except TimeoutError as exc:
+        except (ConnectionError, TimeoutError) as exc:  # no worker up to read, or a slow one
             raise ApiError(503, str(exc), kind="server_busy", headers={"Retry-After": "5"}) from exc
         return prepared_of(out)
