@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.documents import Documents
 from d3d.config import ModelConfig
 from d3d.engine import Engine
+from eval.serve_load import wait_ready
 from tests.api.conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -56,18 +57,10 @@ def served(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            assert proc.poll() is None, Path(log).read_text()[-4000:]
-            try:
-                r = httpx.get(url + "/ready", timeout=5)
-                if r.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError("not ready in 600 s: " + Path(log).read_text()[-4000:])
+        try:
+            wait_ready(url, timeout=600, proc=proc, log=log)
+        except RuntimeError as exc:
+            raise AssertionError(f"{exc}: {Path(log).read_text()[-4000:]}") from None
         yield Served(url, proc)
     finally:
         proc.send_signal(signal.SIGTERM)
