@@ -34,10 +34,11 @@ from app.prepared import Prepared
 from compression.compressor import DEFAULT_SCORER, SCORERS
 from compression.doc_cache import DocumentCache
 from compression.document_reader import DocumentReader
-from compression.selection import check_keep_ratio
+from compression.selection import DEFAULT_KEEP_RATIO, check_keep_ratio
 from d3d.model.load import TemplateVarsError
 
 __all__ = [
+    "DEFAULT_KEEP_RATIO",
     "DEFAULT_SCORER",
     "DocumentTooLarge",
     "Documents",

@@ -27,7 +27,6 @@ from app.prepared import Prepared, PromptBuilder
 from d3d.model.load import TemplateVarsError, encode_messages, has_chat_template
 from d3d.model.session import common_prefix
 
-DEFAULT_KEEP_RATIO = 0.3
 HEAD_MIN = 16  # a shorter chat head is read with the rest of its prompt
 HEADS_KEPT = 64  # system turns whose head ids are remembered, per tokenizer
 
@@ -115,7 +114,7 @@ def qa(
 
     ``return_prompt``: ``info["prompt"]`` is the exact text the target reads (its prompt ids
     decoded, special tokens and the chat template's think block included)."""
-    ratio = DEFAULT_KEEP_RATIO if keep_ratio is None else keep_ratio
+    ratio = documents.DEFAULT_KEEP_RATIO if keep_ratio is None else keep_ratio
     name = scorer or documents.DEFAULT_SCORER
 
     def prepare(models: Models) -> Prepared:

@@ -58,7 +58,10 @@ class Sampling(BaseModel):
 
 class Compression(BaseModel):
     model_config = STRICT
-    keep_ratio: float | None = Field(None, description="fraction of document kept, in (0, 1]")
+    keep_ratio: float | None = Field(
+        None,
+        description=f"fraction of document kept, in (0, 1]; {documents.DEFAULT_KEEP_RATIO:g} if unset",
+    )
     scorer: str | None = Field(None, description="how document parts are ranked")
 
     @field_validator("keep_ratio")

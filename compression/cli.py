@@ -29,6 +29,7 @@ from compression.drafter_scorers import AttentionScoring
 from compression.gaps import GAPS
 from compression.presets import attention_preset
 from compression.qa import QA_TEMPLATE, DocumentQA
+from compression.selection import DEFAULT_KEEP_RATIO
 from compression.units import GRANULARITIES
 from d3d.cli import add_decode_args, add_model_args, decode_config, model_config
 
@@ -36,7 +37,9 @@ from d3d.cli import add_decode_args, add_model_args, decode_config, model_config
 def add_compression_args(p: argparse.ArgumentParser, keep: bool = True) -> None:
     g = p.add_argument_group("compression")
     if keep:
-        g.add_argument("--keep", type=float, default=0.1, help="keep ratio in (0, 1]")
+        g.add_argument(
+            "--keep", type=float, default=DEFAULT_KEEP_RATIO, help="keep ratio in (0, 1]"
+        )
         g.add_argument("--scorer", default=DEFAULT_SCORER, help=f"one of {', '.join(SCORERS)}")
     g.add_argument("--chunk-size", type=int, default=32, help="tokens per unit (packed, chunk)")
     g.add_argument("--granularity", default="packed", choices=list(GRANULARITIES))

@@ -42,7 +42,14 @@ from compression.scorers import (
     Scorer,
     has_read,
 )
-from compression.selection import budget, check_keep_ratio, head_units, pool, select
+from compression.selection import (
+    DEFAULT_KEEP_RATIO,
+    budget,
+    check_keep_ratio,
+    head_units,
+    pool,
+    select,
+)
 from compression.units import GRANULARITIES, Chunk, fixed_chunks, max_unit, segment
 from d3d.model.drafter import D3DDrafter
 
@@ -77,7 +84,7 @@ class CompressionConfig:
     """How to score and select (scorer-specific settings are ignored by the other scorers)."""
 
     scorer: str = DEFAULT_SCORER
-    keep_ratio: float = 0.1
+    keep_ratio: float = DEFAULT_KEEP_RATIO
     chunk_size: int = 32
     granularity: str = "packed"
     neighbours: int = 0

@@ -27,6 +27,11 @@ import torch
 
 from compression.units import Chunk
 
+# The share of a document kept when nobody says (the service's `keep_ratio`, `d3d qa --keep`,
+# CompressionConfig): on the LongBench sweep it cost under one point against the whole prompt
+# (docs/results.md). Its bounds are check_keep_ratio's.
+DEFAULT_KEEP_RATIO = 0.1
+
 
 def check_keep_ratio(keep_ratio: float) -> float:
     """``keep_ratio`` if it lies in (0, 1]: the one rule every entry (the service's fields, the

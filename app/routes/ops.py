@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.auth import authorized
+from app.documents import DEFAULT_KEEP_RATIO
 
 router = APIRouter(tags=["ops"])
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -48,4 +49,6 @@ async def metrics(request: Request):
 
 @router.get("/", include_in_schema=False)
 async def page():
-    return FileResponse(STATIC / "index.html")
+    """The page, its keep slider at the service's default keep ratio."""
+    html = (STATIC / "index.html").read_text(encoding="utf-8")
+    return HTMLResponse(html.replace("{{keep}}", f"{DEFAULT_KEEP_RATIO:g}"))

@@ -3,7 +3,9 @@
 "use strict";
 const $ = (id) => document.getElementById(id);
 const keep = $("keep");
-keep.addEventListener("input", () => { $("keep-out").textContent = Math.round(keep.value * 100) + "%"; });
+const showKeep = () => { $("keep-out").textContent = Math.round(keep.value * 100) + "%"; };
+keep.addEventListener("input", showKeep);
+showKeep();
 
 $("file").addEventListener("change", async () => {
   const f = $("file").files[0];

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from app.documents import DEFAULT_KEEP_RATIO
+
 pytestmark = pytest.mark.slow
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -37,6 +39,9 @@ def test_page_streams_an_answer_and_highlights_kept_spans(live, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             page.goto(live.url + "/")
+            # the slider starts at the service's default keep ratio, its label in percent
+            assert page.locator("#keep").input_value() == f"{DEFAULT_KEEP_RATIO:g}"
+            assert page.locator("#keep-out").inner_text() == f"{DEFAULT_KEEP_RATIO:.0%}"
             page.fill("#document", DOC)
             page.fill("#question", "When was the Eiffel Tower completed?")
             page.fill("#max-tokens", "16")
