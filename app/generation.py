@@ -99,7 +99,8 @@ class Run:
         """``stop``: stop strings; ``hidden``: ids kept out of the text (``stop_token_ids``)."""
         self.worker, self.job = worker, job
         self.deadline = time.perf_counter() + timeout
-        self.texts = [TextStream(worker.detokenizer, stop, hidden) for _ in range(job.n)]
+        self.stop, self.hidden = stop, hidden
+        self.texts: list[TextStream] = []  # a choice's text, made once its prompt is ready
         self.outcome = Outcome([Choice(i) for i in range(job.n)])
         self.started: set[int] = set()  # the choices whose first tokens came
 
@@ -121,6 +122,8 @@ class Run:
             raise _answer(event)
         self.outcome.prepared = event.prepared
         self.outcome.queue_s = self.job.dequeued - self.job.submitted
+        detok = self.worker.detokenizer
+        self.texts = [TextStream(detok, self.stop, self.hidden) for _ in range(self.job.n)]
         return event.prepared
 
     async def _tokenise(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from app.errors import ApiError, public_message
+from app.generation import Outcome
 from app.schemas import Sampling, VllmSampling
 from d3d.config import SamplingConfig
 
@@ -29,9 +30,16 @@ def speculative_view(stats: dict) -> dict:
     return {k: v for k, v in stats.items() if k not in NOT_SPECULATIVE}
 
 
-def usage(stats: dict) -> dict:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens taken from the prefix cache."""
-    p, c = int(stats.get("prompt_tokens", 0)), int(stats.get("num_tokens", 0))
+def compression_view(info: dict) -> dict:
+    """What compression did: the prepared info less the prompt text (reported on its own)."""
+    return {k: v for k, v in info.items() if k != "prompt"}
+
+
+def usage(out: Outcome) -> dict:
+    """OpenAI's usage object over every choice (the prompt counted once); ``cached_tokens``:
+    prompt tokens taken from the prefix cache."""
+    stats = out.stats
+    p, c = int(stats.get("prompt_tokens", 0)), out.completion_tokens
     cached = int(stats.get("cached_prompt_tokens", 0))
     return {
         "prompt_tokens": p,
@@ -39,6 +47,16 @@ def usage(stats: dict) -> dict:
         "total_tokens": p + c,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def figures(out: Outcome) -> dict:
+    """What every finished answer reports beside its text: ``usage``, ``speculative`` and, where
+    a document was compressed, ``compression``."""
+    info = out.prepared.info if out.prepared else {}
+    result = {"usage": usage(out), "speculative": speculative_view(out.stats)}
+    if info:
+        result["compression"] = compression_view(info)
+    return result
 
 
 def sse(payload: object) -> str:

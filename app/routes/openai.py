@@ -35,14 +35,14 @@ from starlette.concurrency import run_in_threadpool
 from app import prompts, reasoning
 from app.engines.jobs import Job
 from app.errors import ApiError, request_id
-from app.generation import Outcome, Run
+from app.generation import Run
 from app.limits import check_generation, check_max_tokens, check_stops
 from app.routes.common import (
     SSE_DONE,
     SSE_HEADERS,
     error_payload,
+    figures,
     sampling,
-    speculative_view,
     sse,
     usage,
 )
@@ -147,11 +147,8 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
             "created": created,
             "model": model,
             "choices": await run_in_threadpool(shape.choices, out.choices),
-            "usage": _usage(out),
-            "speculative": speculative_view(out.stats),
+            **figures(out),
         }
-        if prepared.info:
-            result["compression"] = prepared.info
         return result
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -172,18 +169,13 @@ async def _run(request: Request, body: OpenAIRequest, prepare, max_tokens: int |
                         {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
                     )
             if include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(run.outcome)})
+                yield sse({**head, "choices": [], "usage": usage(run.outcome)})
         except Exception as exc:  # mid-stream: the status is already sent
             log.info("request %s: stream ended by %r", request_id(request), exc)
             yield sse(error_payload(exc, request_id(request)))
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _usage(out: Outcome) -> dict:
-    """Usage over every choice (the prompt counted once)."""
-    return usage({**out.stats, "num_tokens": out.completion_tokens})
 
 
 @router.post("/chat/completions")

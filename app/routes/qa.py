@@ -28,11 +28,11 @@ from app.pdf import pdf_text
 from app.routes.common import (
     SSE_DONE,
     SSE_HEADERS,
+    compression_view,
     error_payload,
+    figures,
     sampling,
-    speculative_view,
     sse,
-    usage,
 )
 from app.schemas import SEED_MAX, SEED_MIN, QARequest
 from app.settings import ServeSettings
@@ -83,11 +83,6 @@ async def parse(request: Request) -> QARequest:
     raise ApiError(415, f"unsupported content type {ctype!r}: send JSON or multipart/form-data")
 
 
-def compression_view(info: dict) -> dict:
-    """What compression did: the prepared info less the prompt text (reported on its own)."""
-    return {k: v for k, v in info.items() if k != "prompt"}
-
-
 def response(rid: str, out: Outcome, model: str) -> dict:
     prepared = out.prepared
     info = prepared.info if prepared else {}
@@ -98,9 +93,7 @@ def response(rid: str, out: Outcome, model: str) -> dict:
         "model": model,
         "answer": out.text.strip(),
         "finish_reason": out.finish_reason,
-        "usage": usage(st),
-        "compression": compression_view(info),
-        "speculative": speculative_view(st),
+        **figures(out),
         "timings": {
             "queue_s": round(out.queue_s, 4),
             "compress_s": round(prepared.seconds if prepared else 0.0, 4),
