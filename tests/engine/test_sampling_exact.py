@@ -17,9 +17,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from d3d.config import SamplingConfig
-from d3d.decoding.proposers import Proposer
-from d3d.engine import GenRequest, Scheduler
+from d3d.config import DecodeConfig, SamplingConfig
+from d3d.decoding.proposers import Proposer, SyncProposer
+from d3d.engine import GenRequest, Scheduler, decode
 from d3d.model.drafter import D3DDrafter
 from d3d.sampling import probabilities
 from tests.conftest import tiny_engine, tiny_model
@@ -77,8 +77,9 @@ def draw(
     as rows of one scheduler, ROWS at once (a request joins as soon as one ends): the engine's
     over ``target`` and ``drafter`` with its proposer for ``mode``, or, given ``proposer``, one
     giving each row a new ``proposer()``. A row draws only from generators seeded by its own
-    seed, so the rows are independent samples. Checks that no row failed and that a speculative
-    mode's drafts were both accepted and rejected."""
+    seed, so the rows are independent samples
+    (:func:`test_rows_of_a_batch_draw_what_they_would_draw_alone`). Checks that no row failed
+    and that a speculative mode's drafts were both accepted and rejected."""
     engine = None
     if proposer is None:
         engine = tiny_engine(target, drafter)
@@ -133,3 +134,19 @@ def test_chi_square_detects_a_wrong_distribution():
     counts = sample_many(target, "ar", {"temperature": 0.6}, n)
     stat, df = chi_square(counts, exact, n)
     assert stat > chi2_critical(df), (stat, df)
+
+
+def test_rows_of_a_batch_draw_what_they_would_draw_alone():
+    """A row's samples do not depend on the rows beside it: each seed's ``sync`` tokens as a
+    row of a batch (:func:`draw`) are those it draws alone through ``decode``, so the batched
+    samples above are as independent as samples drawn one request at a time."""
+    target, drafter = tiny_model("llama", seed=3, vocab=V, scale=3.0), foreign_drafter()
+    kw, n = {"temperature": 1.0}, 48
+    alone = []
+    for seed in range(n):
+        cfg = DecodeConfig(mode="sync", max_new_tokens=N_NEW, block_size=4,
+                           sampling=SamplingConfig(seed=seed, **kw))  # fmt: skip
+        chunks = decode(target, SyncProposer(drafter), PROMPT, cfg, set())
+        alone.append(tuple(t for chunk in chunks for t in chunk))
+    assert draw(target, "sync", kw, n, drafter=drafter) == alone
+    assert len(set(alone)) > n // 4  # the seeds do give different samples
