@@ -28,6 +28,7 @@ from tests.engine.test_sampling_exact import (
     chi2_critical,
     chi_square,
     exact_distribution,
+    foreign_drafter,
     sample_many,
 )
 
@@ -110,15 +111,13 @@ def test_eos_inside_a_block_and_budget_cut(tiny_target):
 
 
 @pytest.mark.parametrize("sampling_kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}])
-def test_async_sampling_matches_target_distribution(sampling_kw, worker_for):
+def test_async_sampling_matches_target_distribution(sampling_kw):
+    """``async`` rows, their blocks drafted by a real worker (branches while the target
+    verifies, misses on receipt of the commit), emit the target's distribution."""
     target = tiny_model("llama", seed=3, vocab=V, scale=3.0)
-    drafter = D3DDrafter.from_target(
-        tiny_model("llama", seed=11, vocab=V, scale=6.0), 2, block_size=4
-    )
-    worker = worker_for(drafter, max_branches=2)
     exact = exact_distribution(target, SamplingConfig(**sampling_kw))
     n = 2000
-    counts = sample_many(target, AsyncProposer(worker, V), sampling_kw, n)
+    counts = sample_many(target, "async", sampling_kw, n, drafter=foreign_drafter())
     stat, df = chi_square(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)
 

@@ -1,5 +1,6 @@
 """The one engine, many rows: every mode in one batch gives each request exactly its ``ar``
-tokens, and sampled ``async`` rows in a batch are exact in distribution.
+tokens. (Sampled rows in a batch are exact in distribution: every mode's chi-square test draws
+its samples as rows of one scheduler, :func:`tests.engine.test_sampling_exact.sample_many`.)
 
 Real D3D drafters run in a real thread worker (branches per row, one message per step); rows
 join mid-flight, prompts differ in length, batches hold 1 to 16 rows.
@@ -9,18 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from d3d.config import SamplingConfig
 from d3d.engine import GenRequest
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import greedy_continuation, tiny_engine, tiny_model
-from tests.engine.test_sampling_exact import (
-    N_NEW,
-    PROMPT,
-    V,
-    chi2_critical,
-    chi_square,
-    exact_distribution,
-)
 
 MODES = ("ar", "sync", "async", "auto")
 
@@ -69,40 +61,6 @@ def test_mixed_modes_joining_mid_flight_equal_ar_alone(engine, rows):
         assert stats[i].worker_failures == 0
     asyncs = [st for i, st in enumerate(stats) if MODES[i % 4] == "async"]
     assert all(st.branch_hits + st.branch_misses == st.num_drafts > 0 for st in asyncs)
-
-
-def test_sampled_async_rows_in_a_batch_match_the_target_distribution():
-    target = tiny_model("llama", seed=3, vocab=V, scale=3.0)
-    drafter = D3DDrafter.from_target(
-        tiny_model("llama", seed=11, vocab=V, scale=6.0), 2, block_size=4
-    )
-    engine = tiny_engine(target, drafter)
-    try:
-        sched = engine.scheduler(max_batch=16)
-        sched.eos_ids = set()
-        kw = {"temperature": 1.0}
-        exact = exact_distribution(target, SamplingConfig(**kw))
-        n, counts = 1200, {}
-        for start in range(0, n, 16):  # 16 rows per batch, each with its own seed
-            outs = {s: [] for s in range(start, start + 16)}
-            for s, out in outs.items():
-                sched.add(
-                    GenRequest(
-                        PROMPT,
-                        N_NEW,
-                        SamplingConfig(seed=s, **kw),
-                        mode="async",
-                        on_tokens=out.extend,
-                    )
-                )
-            while not sched.idle:
-                sched.step()
-            for out in outs.values():
-                counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-        stat, df = chi_square(counts, exact, n)
-        assert stat < chi2_critical(df), (stat, df)
-    finally:
-        engine.close()
 
 
 def test_rows_are_told_their_share_of_a_batched_step():

@@ -49,6 +49,11 @@ def copying_auto(target, vocab: int, block: int = 16, drafter: bool = True) -> A
     return AutoProposer(spec, losing_drafter_host(), max_len=block - 1, copies=copies)
 
 
+def copy_rounds(target):
+    """A new :func:`copying_auto` per row (no drafter, blocks of 4) for :func:`sample_many`."""
+    return lambda: copying_auto(target, V, block=4, drafter=False)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_copy_rounds_greedy_equal_ar(kind):
     target = tiny_model(kind, seed=1)
@@ -86,10 +91,11 @@ def test_copy_rounds_respect_eos_and_the_budget():
 
 @pytest.mark.parametrize("sampling_kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}])
 def test_copy_sampling_matches_target_distribution(sampling_kw):
-    # A 5-token vocabulary: every step has an earlier match to copy from.
+    """Copy rounds (one-hot q) emit the target's distribution; a 5-token vocabulary gives
+    every step an earlier match to copy from."""
     target = tiny_model("llama", seed=3, vocab=V, scale=3.0)
     exact = exact_distribution(target, SamplingConfig(**sampling_kw))
     n = 2000
-    counts = sample_many(target, copying_auto(target, V, block=4, drafter=False), sampling_kw, n)
+    counts = sample_many(target, "auto", sampling_kw, n, proposer=copy_rounds(target))
     stat, df = chi_square(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)

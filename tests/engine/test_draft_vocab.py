@@ -23,6 +23,7 @@ from tests.engine.test_sampling_exact import (
     chi2_critical,
     chi_square,
     exact_distribution,
+    foreign_drafter,
     sample_many,
 )
 
@@ -100,14 +101,12 @@ def test_sampling_with_a_draft_vocabulary_matches_the_target_distribution():
     """q is zero on two of the five tokens; the residual must still give them their mass."""
     sampling_kw = {"temperature": 1.0}
     target = tiny_model("llama", seed=3, vocab=V, scale=3.0)
-    drafter = D3DDrafter.from_target(
-        tiny_model("llama", seed=11, vocab=V, scale=6.0), 2, block_size=4
-    )
+    drafter = foreign_drafter()
     drafter.share_embeddings(target)  # its LM head rows must be the target's
     drafter.set_draft_vocab([0, 2, 4])
     exact = exact_distribution(target, SamplingConfig(**sampling_kw))
     n = 1500
-    counts = sample_many(target, SyncProposer(drafter), sampling_kw, n)
+    counts = sample_many(target, "sync", sampling_kw, n, drafter=drafter)
     stat, df = chi_square(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)
     assert any(1 in seq or 3 in seq for seq in counts)  # tokens the drafter cannot propose

@@ -30,8 +30,15 @@ from d3d.sampling import log_distribution, probabilities
 from d3d.worker import AsyncProposer, ServerConfig, ThreadWorker
 from tests.concurrency.fakes import ScriptedWorker
 from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_model
-from tests.engine.test_copy_lossless import copying_auto
-from tests.engine.test_sampling_exact import PROMPT, V, chi2_critical, chi_square, sample_many
+from tests.engine.test_copy_lossless import copy_rounds, copying_auto
+from tests.engine.test_sampling_exact import (
+    PROMPT,
+    V,
+    chi2_critical,
+    chi_square,
+    foreign_drafter,
+    sample_many,
+)
 
 PROMPTS = [[1, 5, 9, 22, 7], list(range(2, 30))]
 N = 30
@@ -211,18 +218,15 @@ SAMPLED = [
 
 @pytest.mark.parametrize("mode", ["sync", "async", "copy"])
 @pytest.mark.parametrize("kw", SAMPLED, ids=["penalties", "penalties+truncation+stops"])
-def test_sampling_with_penalties_keeps_the_penalised_distribution(mode, kw, workers):
+def test_sampling_with_penalties_keeps_the_penalised_distribution(mode, kw):
+    """Each mode's samples follow the penalised distribution and are told apart from the
+    unpenalised one."""
     target = tiny_model("llama", seed=3, vocab=V, scale=3.0)
-    drafter = D3DDrafter.from_target(
-        tiny_model("llama", seed=11, vocab=V, scale=6.0), 2, block_size=4
-    )
-    proposer = {
-        "sync": lambda: SyncProposer(drafter),
-        "async": lambda: AsyncProposer(workers(drafter), V),
-        "copy": lambda: copying_auto(target, V, block=4, drafter=False),
-    }[mode]()
     n = 2000
-    counts = sample_many(target, proposer, kw, n)
+    if mode == "copy":
+        counts = sample_many(target, "auto", kw, n, proposer=copy_rounds(target))
+    else:
+        counts = sample_many(target, mode, kw, n, drafter=foreign_drafter())
     stat, df = chi_square(counts, exact(target, SamplingConfig(**kw)), n)
     assert stat < chi2_critical(df), (stat, df)
     plain = {k: v for k, v in kw.items() if "penalty" not in k}
