@@ -102,7 +102,9 @@ def start(
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory) -> Iterator[Served]:
-    """The embedded SmolLM2-135M on vLLM with its shipped drafter."""
+    """The embedded SmolLM2-135M on vLLM with its shipped drafter, one engine for a module's
+    tests: a test that kills the drafter worker waits for its replacement (``Served.worker``
+    with ``restarts``) before it ends, and each request has an id of its own."""
     sock = str(tmp_path_factory.mktemp("vllm") / "stats.sock")
     # Branches every round whatever the budget says (on this CPU the drafter's block costs more
     # than a verification, so the budget would prepare none and no round could hit).

@@ -54,12 +54,16 @@ def _tiny_model(root):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    """The tiny Llama and its folder, for both of this module's engines."""
+    """The tiny Llama and its folder, made once for both of this module's engines (each only
+    reads them: vLLM loads the folder, the last test runs the model forward)."""
     return _tiny_model(tmp_path_factory.mktemp("tiny-vllm"))
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama, tmp_path_factory):
+    """vLLM with the D3D proposer (a layer of the model as drafter, self:1) on the tiny Llama, for
+    both modes: each test sends seeded requests and compares the draft counter with its own
+    reading before them."""
     model, path = tiny_llama
     sock = str(tmp_path_factory.mktemp("vllm-tiny") / "stats.sock")
     served = start(
