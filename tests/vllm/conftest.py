@@ -5,6 +5,7 @@ drafter worker the proposer starts there); its figures come back over the propos
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -65,25 +66,49 @@ class Served:
         return [out[r] for r in rids], rids
 
 
-def start(cfg: ModelConfig, stats_path: str, **kw) -> Served:
+@contextlib.contextmanager
+def restored_environ() -> Iterator[None]:
+    """This process's environment as it was, once the block is left. vLLM's processes read
+    their settings (``prepare_env``'s ``D3D_*`` and ``VLLM_CPU_*``, a fixture's own) from the
+    environment they inherit when the engine starts; restored after that start, those settings
+    reach that engine only, not the engines or servers of later tests."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in os.environ.keys() - saved.keys():
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+def start(
+    cfg: ModelConfig, stats_path: str, kv_gib: int = 2, env: dict | None = None, **kw
+) -> Served:
+    """vLLM's engine as the project starts it (:func:`engine_args`, :func:`prepare_env`): with
+    the D3D proposer where ``cfg`` has a drafter. ``kv_gib``: its KV cache, which vLLM's CPU
+    build allocates whole at start (4 GiB took 1.4 s longer than 1 GiB here); ``env``: more
+    variables for its processes; ``kw``: more of vLLM's arguments."""
     from vllm import LLM
 
-    prepare_env(cfg, stats_path=stats_path)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    args = engine_args(cfg, eager=True, **kw)
-    with on_vllm_cores(cfg):
-        llm = LLM(**args)
+    with restored_environ():
+        os.environ.update(env or {})
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)  # prepare_env keeps a value set
+        prepare_env(cfg, stats_path=stats_path)
+        args = engine_args(cfg, eager=True, **kw)
+        with on_vllm_cores(cfg):
+            llm = LLM(**args)
     return Served(llm, StatsClient(stats_path))
 
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory) -> Iterator[Served]:
-    """The embedded SmolLM2-135M on vLLM with its shipped drafter."""
+    """The embedded SmolLM2-135M on vLLM with its shipped drafter, one engine for a module's
+    tests: a test that kills the drafter worker waits for its replacement (``Served.worker``
+    with ``restarts``) before it ends, and each request has an id of its own."""
     sock = str(tmp_path_factory.mktemp("vllm") / "stats.sock")
     # Branches every round whatever the budget says (on this CPU the drafter's block costs more
     # than a verification, so the budget would prepare none and no round could hit).
-    os.environ["D3D_BRANCHES"] = "2"
-    served = start(ModelConfig(), sock, max_model_len=2048, max_batch=16)
+    served = start(ModelConfig(), sock, env={"D3D_BRANCHES": "2"}, max_model_len=2048, max_batch=16)
     served.worker()
     yield served
     served.llm.llm_engine.engine_core.shutdown()

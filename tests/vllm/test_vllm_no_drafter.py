@@ -6,6 +6,8 @@ tests/api/test_no_drafter.py)."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
@@ -13,6 +15,7 @@ from app.settings import ServeSettings
 from d3d.config import ModelConfig
 from tests.api.conftest import free_port, start
 from tests.conftest import qwen3_like, save_qwen3
+from tests.vllm.conftest import restored_environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DOC = " ".join(f"Fact {i}: {i} is {'odd' if i % 2 else 'even'}." for i in range(40))
@@ -31,7 +34,9 @@ def served(tmp_path_factory, qwen3_tokenizer):
         max_batch=4,
         served_model_name="qwen3-tiny",
     )
-    srv = start(settings)
+    with restored_environ():  # what the server's vLLM set up for its processes stays theirs
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # ample here, and allocated whole at start
+        srv = start(settings)
     yield srv
     srv.stop()
 

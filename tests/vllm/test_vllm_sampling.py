@@ -10,6 +10,8 @@ fixes it, that test fails and the guard in :mod:`d3d.vllm.proposer` can go)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -51,12 +53,23 @@ def _tiny_model(root):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    model, path = _tiny_model(tmp_path_factory.mktemp("tiny-vllm"))
+def tiny_llama(tmp_path_factory):
+    """The tiny Llama and its folder, made once for both of this module's engines (each only
+    reads them: vLLM loads the folder, the last test runs the model forward)."""
+    return _tiny_model(tmp_path_factory.mktemp("tiny-vllm"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama, tmp_path_factory):
+    """vLLM with the D3D proposer (a layer of the model as drafter, self:1) on the tiny Llama, for
+    both modes: each test sends seeded requests and compares the draft counter with its own
+    reading before them."""
+    model, path = tiny_llama
     sock = str(tmp_path_factory.mktemp("vllm-tiny") / "stats.sock")
     served = start(
         ModelConfig(target=str(path), drafter="self:1"),
         sock,
+        kv_gib=1,
         max_model_len=64,
         max_batch=256,
         skip_tokenizer_init=True,
@@ -95,35 +108,37 @@ def test_sampled_requests_keep_the_target_distribution(tiny, mode):
     assert served.counter("vllm:spec_decode_num_draft_tokens") == drafted, "none drafted on CPU"
 
 
-def test_vllm_cpu_verification_of_sampled_drafts_is_not_exact(tmp_path):
+def test_vllm_cpu_verification_of_sampled_drafts_is_not_exact(tiny_llama, tmp_path):
     """Why the proposer drafts for greedy requests only on vLLM's CPU build: a proposer that
     always drafts token 2 makes vLLM emit token 2 far more often than the target gives it."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    model, path = _tiny_model(tmp_path)
-    llm = LLM(
-        model=str(path),
-        dtype="float32",
-        enforce_eager=True,
-        skip_tokenizer_init=True,
+    model, path = tiny_llama
+    constant = {
+        "method": "custom_class",
+        "model": "tests.vllm.constant.ConstantProposer",
+        "num_speculative_tokens": 1,
+    }
+    served = start(
+        ModelConfig(target=str(path), drafter="none"),
+        str(tmp_path / "stats.sock"),
+        kv_gib=1,
         max_model_len=64,
-        max_num_seqs=256,
-        speculative_config={
-            "method": "custom_class",
-            "model": "tests.vllm.constant.ConstantProposer",
-            "num_speculative_tokens": 1,
-        },
+        max_batch=256,
+        skip_tokenizer_init=True,
+        speculative_config=constant,
     )
     try:
         sp = SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": PROMPT}] * 1000, sp, use_tqdm=False)
+        outs = served.llm.generate([{"prompt_token_ids": PROMPT}] * 1000, sp, use_tqdm=False)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        served.llm.llm_engine.engine_core.shutdown()
     seconds = [tuple(o.outputs[0].token_ids) for o in outs]
     observed = sum(t[1] == 2 for t in seconds) / len(seconds)
+    firsts = Counter(t[0] for t in seconds)  # the target's chance of 2 after each first token
     with torch.no_grad():
         expected = sum(
-            float(torch.softmax(model(torch.tensor([[*PROMPT, t[0]]])).logits[0, -1], -1)[2])
-            for t in seconds
+            n * float(torch.softmax(model(torch.tensor([[*PROMPT, t]])).logits[0, -1], -1)[2])
+            for t, n in firsts.items()
         ) / len(seconds)
     assert observed > expected + 0.3, (observed, expected)

@@ -53,6 +53,7 @@ def served(tmp_path_factory):
     # As a user starts it: none of the D3D_* or VLLM_* settings earlier tests left in this
     # process's environment (vLLM's engine set-up writes them for its own children).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("D3D_", "VLLM_"))}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: ample here, and allocated whole at start
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -161,11 +162,9 @@ def test_qa_keeps_the_own_engines_prompt(served):
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["compression"]["kept_spans"], "kept spans of the document"
-    own = Documents.for_engine(Engine.from_config(ModelConfig())).prepare(
-        DOCUMENT, QUESTION, 0.2, "auto", 8000
-    )
-    tok = Engine.from_config(ModelConfig(), with_drafter=False).tokenizer
-    assert got["prompt"] == tok.decode(own.prompt_ids, skip_special_tokens=False)
+    engine = Engine.from_config(ModelConfig())
+    own = Documents.for_engine(engine).prepare(DOCUMENT, QUESTION, 0.2, "auto", 8000)
+    assert got["prompt"] == engine.tokenizer.decode(own.prompt_ids, skip_special_tokens=False)
     assert got["compression"]["kept_spans"] == own.info["kept_spans"]
 
 
