@@ -105,6 +105,25 @@ def tiny_target(request) -> PreTrainedModel:
     return tiny_model(request.param, seed=1)
 
 
+@pytest.fixture
+def thread_workers():
+    """``make(drafter)``: a ready drafter worker on a thread (default settings), closed after
+    the test."""
+    from d3d.worker import ServerConfig, ThreadWorker
+
+    made = []
+
+    def make(drafter):
+        w = ThreadWorker(drafter, ServerConfig())
+        assert w.wait_ready(10)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
 def greedy_continuation(model: PreTrainedModel, ids: Sequence[int], n: int) -> list[int]:
     """n greedy tokens after ids, recomputed from scratch (slow, obviously right)."""
     seq = list(ids)

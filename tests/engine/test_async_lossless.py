@@ -14,7 +14,7 @@ from d3d.decoding.proposers import ArProposer
 from d3d.decoding.stats import DecodeStats
 from d3d.engine import decode
 from d3d.model.drafter import D3DDrafter
-from d3d.worker import AsyncProposer, ServerConfig, ThreadWorker
+from d3d.worker import AsyncProposer
 from tests.concurrency.fakes import ScriptedWorker
 from tests.conftest import (
     TINY_VOCAB,
@@ -42,26 +42,11 @@ def run(model, proposer, prompt, n=40, block=16, eos=frozenset()):
     return out, stats
 
 
-@pytest.fixture
-def worker_for():
-    made = []
-
-    def make(drafter, **kw):
-        w = ThreadWorker(drafter, ServerConfig(**kw))
-        assert w.wait_ready(10)
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("kind", ["untrained", "foreign"])
-def test_async_and_auto_greedy_equal_ar(tiny_target, prompt, kind, worker_for):
+def test_async_and_auto_greedy_equal_ar(tiny_target, prompt, kind, thread_workers):
     source = tiny_target if kind == "untrained" else tiny_model("llama", seed=7)
-    worker = worker_for(D3DDrafter.from_target(source, 1 if kind == "untrained" else 2))
+    worker = thread_workers(D3DDrafter.from_target(source, 1 if kind == "untrained" else 2))
     ref, _ = run(tiny_target, ArProposer(), prompt)
     out, stats = run(tiny_target, AsyncProposer(worker, TINY_VOCAB), prompt)
     assert out == ref
@@ -89,8 +74,8 @@ def test_oracle_and_always_wrong_drafters(tiny_target, script, wrong):
 
 
 @pytest.mark.parametrize("block", [2, 4, 8])
-def test_async_block_sizes(tiny_target, block, worker_for):
-    worker = worker_for(D3DDrafter.from_target(tiny_target, 2, block_size=block))
+def test_async_block_sizes(tiny_target, block, thread_workers):
+    worker = thread_workers(D3DDrafter.from_target(tiny_target, 2, block_size=block))
     ref, _ = run(tiny_target, ArProposer(), PROMPTS[0], n=30)
     out, stats = run(tiny_target, AsyncProposer(worker, TINY_VOCAB), PROMPTS[0], n=30, block=block)
     assert out == ref

@@ -27,7 +27,7 @@ from d3d.engine.scheduler import Scheduler
 from d3d.engine.stream import stream
 from d3d.model.drafter import D3DDrafter, Draft
 from d3d.sampling import log_distribution, probabilities
-from d3d.worker import AsyncProposer, ServerConfig, ThreadWorker
+from d3d.worker import AsyncProposer
 from tests.concurrency.fakes import ScriptedWorker
 from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_model
 from tests.engine.test_copy_lossless import copy_rounds, copying_auto
@@ -85,21 +85,6 @@ class ScriptDrafter:
         return Draft(tokens=torch.tensor(nxt + [0] * (self.k - len(nxt))), q=None)
 
 
-@pytest.fixture
-def workers():
-    made = []
-
-    def make(drafter):
-        w = ThreadWorker(drafter, ServerConfig())
-        assert w.wait_ready(10)
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
-
-
 def run(model, proposer, prompt, cfg: SamplingConfig, eos: set[int], n: int = N):
     stats = DecodeStats(mode=proposer.name)
     dc = DecodeConfig(mode=proposer.name, max_new_tokens=n, sampling=cfg)
@@ -114,7 +99,7 @@ PENALTIES = {
 MODES = ["ar", "sync", "sync-oracle", "async", "async-oracle", "copy"]
 
 
-def proposer_for(mode, target, prompt, ref, workers):
+def proposer_for(mode, target, prompt, ref, thread_workers):
     if mode == "ar":
         return ArProposer()
     if mode == "sync":
@@ -122,7 +107,7 @@ def proposer_for(mode, target, prompt, ref, workers):
     if mode == "sync-oracle":
         return SyncProposer(ScriptDrafter(prompt, ref))
     if mode == "async":
-        return AsyncProposer(workers(D3DDrafter.from_target(target, 1)), TINY_VOCAB)
+        return AsyncProposer(thread_workers(D3DDrafter.from_target(target, 1)), TINY_VOCAB)
     if mode == "async-oracle":
         return AsyncProposer(ScriptedWorker(ScriptDrafter(prompt, ref), ["hit"]), TINY_VOCAB)
     return copying_auto(target, TINY_VOCAB, drafter=False)
@@ -130,13 +115,15 @@ def proposer_for(mode, target, prompt, ref, workers):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("penalty", list(PENALTIES))
-def test_greedy_with_penalties_equals_plain_greedy_with_them(tiny_target, penalty, mode, workers):
+def test_greedy_with_penalties_equals_plain_greedy_with_them(
+    tiny_target, penalty, mode, thread_workers
+):
     cfg = SamplingConfig(**PENALTIES[penalty])
     changed = 0
     for prompt in PROMPTS:
         ref = reference(tiny_target, prompt, cfg, set())
         changed += ref != greedy_continuation(tiny_target, prompt, N)
-        out, stats = run(tiny_target, proposer_for(mode, tiny_target, prompt, ref, workers),
+        out, stats = run(tiny_target, proposer_for(mode, tiny_target, prompt, ref, thread_workers),
                          prompt, cfg, set())  # fmt: skip
         assert out == ref
         if mode.endswith("oracle"):  # every draft accepted: the prefill's token, 15 + bonus, 13
@@ -150,7 +137,7 @@ def fresh(seq: list[int], start: int) -> int:
 
 
 @pytest.mark.parametrize("mode", ["ar", "sync-oracle", "async", "copy"])
-def test_min_tokens_ignore_eos_and_stop_ids(tiny_target, mode, workers):
+def test_min_tokens_ignore_eos_and_stop_ids(tiny_target, mode, thread_workers):
     prompt, base = PROMPTS[1], {"frequency_penalty": 0.8}  # tiny models loop without a penalty
     free = reference(tiny_target, prompt, SamplingConfig(**base), set())
     eos_at = free.index(fresh(free, 2))
@@ -165,7 +152,7 @@ def test_min_tokens_ignore_eos_and_stop_ids(tiny_target, mode, workers):
     lengths = []
     for cfg in cases:
         ref = reference(tiny_target, prompt, cfg, eos)
-        out, stats = run(tiny_target, proposer_for(mode, tiny_target, prompt, ref, workers),
+        out, stats = run(tiny_target, proposer_for(mode, tiny_target, prompt, ref, thread_workers),
                          prompt, cfg, eos)  # fmt: skip
         assert out == ref, cfg
         assert stats.stop_reason == ("eos" if len(ref) < N else "length")
