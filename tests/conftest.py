@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +37,18 @@ TINY_VOCAB = 101
 
 # Tiny models run fastest on one thread, and CI's two cores are shared with the test process.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def threads_as_the_suite_set_them():
+    """Each test module leaves this process's torch threads and cores as it found them: an
+    engine built with ``threads=2`` (or pinned beside its drafter) sets them for the whole
+    process, and left so it would run every later module's tiny models on two threads,
+    beside their drafter threads on two cores (the async tests took twice as long)."""
+    threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    yield
+    torch.set_num_threads(threads)
+    os.sched_setaffinity(0, cores)
 
 
 def tiny_config(
