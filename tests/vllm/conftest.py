@@ -82,15 +82,30 @@ def restored_environ() -> Iterator[None]:
 
 
 def start(
-    cfg: ModelConfig, stats_path: str, kv_gib: int = 2, env: dict | None = None, **kw
+    cfg: ModelConfig,
+    stats_path: str,
+    kv_gib: int = 2,
+    env: dict | None = None,
+    in_process: bool = False,
+    **kw,
 ) -> Served:
     """vLLM's engine as the project starts it (:func:`engine_args`, :func:`prepare_env`): with
     the D3D proposer where ``cfg`` has a drafter. ``kv_gib``: its KV cache, which vLLM's CPU
     build allocates whole at start (4 GiB took 1.4 s longer than 1 GiB here); ``env``: more
-    variables for its processes; ``kw``: more of vLLM's arguments."""
+    variables for its processes; ``kw``: more of vLLM's arguments.
+
+    ``in_process``: vLLM's engine core and model runner run in this process (vLLM's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) rather than in two processes of their own, each
+    spawned and importing vLLM in turn (about 14 s of a 23 s start here). For tests of what the
+    proposer drafts and how vLLM samples, which the process layout does not touch; not for the
+    layout's own behaviour (the engine core skips empty draft round trips between its
+    processes, :mod:`d3d.vllm.draft_fetch`, and the API process holds no model), which the
+    engines started as the product starts them test."""
     from vllm import LLM
 
     with restored_environ():
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.update(env or {})
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)  # prepare_env keeps a value set
         prepare_env(cfg, stats_path=stats_path)

@@ -59,7 +59,8 @@ def test_vllm_writes_the_own_engines_records(tmp_path, capfd):
         "".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(PROMPTS))
     )
     common = ["data", "--prompts", str(prompts), "--max-new-tokens", str(NEW), "--quiet"]
-    report(d3d(*common, "--out", str(tmp_path / "own.jsonl")))
+    assert main([*common, "--out", str(tmp_path / "own.jsonl")]) == 0  # the own engine, here
+    capfd.readouterr()
     made = report(d3d(*common, "--out", str(tmp_path / "vllm.jsonl"), "--engine", "vllm"))
     assert made["written"] == len(PROMPTS) and made["tokens_per_second"] > 0
     own, fast = records(tmp_path / "own.jsonl"), records(tmp_path / "vllm.jsonl")
@@ -70,7 +71,6 @@ def test_vllm_writes_the_own_engines_records(tmp_path, capfd):
     assert ended, "no response ended on an end id: the end-id case is untested"
     # A rerun writes nothing new; soft labels are the own engine's. Neither starts an engine, so
     # both run in this process, through the same entry point (fd output: vLLM's processes too).
-    capfd.readouterr()
     assert main([*common, "--out", str(tmp_path / "vllm.jsonl"), "--engine", "vllm"]) == 0
     again = capfd.readouterr()
     assert report_of(again.out)["written"] == 0
