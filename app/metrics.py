@@ -85,6 +85,11 @@ class Metrics:
         """Export the drafter worker's state from ``status()`` (its supervisor's ``status``)."""
         self.registry.register(_WorkerCollector(status))
 
+    def watch_proposer(self, totals: Callable[[], dict | None]) -> None:
+        """Export the step counts of vLLM's D3D proposer from ``totals()`` (its latest
+        ``totals``: :class:`d3d.vllm.stats.StatsPoller`)."""
+        self.registry.register(_ProposerCollector(totals))
+
     def add_registry(self, registry: Callable[[], CollectorRegistry]) -> None:
         """Render another registry (an engine's own metrics) after this one."""
         self._extra.append(registry)
@@ -133,3 +138,29 @@ class _WorkerCollector(Collector):
         )
         restarts.add_metric([], float(s.get("restarts", 0)))
         yield restarts
+
+
+class _ProposerCollector(Collector):
+    """vLLM's steps as the D3D proposer counts them, read at scrape time: steps in which no
+    request drafted (vLLM's plain path, :mod:`d3d.vllm.plain_steps`), speculative steps, and
+    the engine core's round trips for drafts (none after a step without drafts,
+    :mod:`d3d.vllm.draft_fetch`)."""
+
+    COUNTERS = (
+        ("plain_steps", "vLLM steps in which no request drafted (its plain path)"),
+        ("speculative_steps", "vLLM steps that verified drafts"),
+        ("draft_fetches", "Round trips of vLLM's engine core for drafts"),
+    )
+
+    def __init__(self, totals: Callable[[], dict | None]):
+        self.totals = totals
+
+    def collect(self) -> Iterator:
+        t = self.totals()
+        if not isinstance(t, dict):  # no proposer, or not polled yet
+            return
+        for key, doc in self.COUNTERS:
+            if key in t:
+                c = CounterMetricFamily(f"d3d_vllm_{key}", doc)
+                c.add_metric([], float(t[key]))
+                yield c

@@ -108,6 +108,7 @@ class VllmWorker:
         self.poller = StatsPoller(self.stats, tick=self._check_engine)
         self.on_fatal = None  # called once vLLM's engine is dead (app.lifecycle: exit)
         metrics.watch_worker(self.drafter_worker)
+        metrics.watch_proposer(lambda: self.poller.totals)
         metrics.add_registry(_vllm_registry)
 
     # -- lifecycle -----------------------------------------------------------------------------

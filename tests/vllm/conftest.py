@@ -118,12 +118,21 @@ def start(
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory) -> Iterator[Served]:
     """The embedded SmolLM2-135M on vLLM with its shipped drafter, one engine for a module's
-    tests: a test that kills the drafter worker waits for its replacement (``Served.worker``
-    with ``restarts``) before it ends, and each request has an id of its own."""
+    tests, in this process (``start``'s ``in_process``; its drafter worker in a process of its
+    own, as always): a test that kills the drafter worker waits for its replacement
+    (``Served.worker`` with ``restarts``) before it ends, and each request has an id of its
+    own."""
     sock = str(tmp_path_factory.mktemp("vllm") / "stats.sock")
     # Branches every round whatever the budget says (on this CPU the drafter's block costs more
     # than a verification, so the budget would prepare none and no round could hit).
-    served = start(ModelConfig(), sock, env={"D3D_BRANCHES": "2"}, max_model_len=2048, max_batch=16)
+    served = start(
+        ModelConfig(),
+        sock,
+        env={"D3D_BRANCHES": "2"},
+        in_process=True,
+        max_model_len=2048,
+        max_batch=16,
+    )
     served.worker()
     yield served
     served.llm.llm_engine.engine_core.shutdown()

@@ -3,8 +3,9 @@ answers in ``sync``, ``async`` and ``auto`` equal vLLM without drafts (``ar``) t
 one request at a time and eight at once with mixed modes, prompts of different lengths and
 requests joining mid-flight; vLLM's own acceptance counters grow; ``async`` requests report
 branch hits; the drafter process killed with SIGKILL under eight requests costs no answer and
-is replaced; steps in which no row drafts take vLLM's plain path, and vLLM's engine core fetches
-no drafts after them."""
+is replaced; steps in which no row drafts take vLLM's plain path. (That vLLM's engine core
+fetches no drafts after them is a matter between its processes: tests/vllm/test_vllm_service.py
+checks it on the engine as the product starts it.)"""
 
 from __future__ import annotations
 
@@ -102,9 +103,7 @@ def test_steps_without_drafts_take_vllms_plain_path(embedded, prompts, reference
     mid = embedded.stats.ask("totals")
     assert mid["plain_steps"] - before["plain_steps"] >= NEW, "each step of an ar request"
     assert mid["speculative_steps"] == before["speculative_steps"]
-    assert mid["draft_fetches"] == before["draft_fetches"], "no round trip for empty drafts"
     (out,), _ = embedded.run([(prompts[3], params("sync"))])
     assert out == reference[3]
     after = embedded.stats.ask("totals")
     assert after["speculative_steps"] > mid["speculative_steps"]
-    assert after["draft_fetches"] > mid["draft_fetches"], "drafts still reach the scheduler"

@@ -3,7 +3,7 @@ drafter), started as a user starts it, in a process of its own: the same routes 
 engine; answers in every mode equal ``ar``; ``/ready`` reports the drafter worker; ``/metrics``
 has vLLM's ``vllm:spec_decode_*`` counters beside the project's branch statistics; ``/qa``
 answers with kept spans from a kept prompt equal to the own engine's, read by the drafter
-worker; the API process holds no model (at most 1 GiB resident once ready) and the drafter is
+worker; steps without drafts cost the engine core no round trip for drafts (``/metrics``); the API process holds no model (at most 1 GiB resident once ready) and the drafter is
 loaded once, in that worker."""
 
 from __future__ import annotations
@@ -148,6 +148,35 @@ def test_every_mode_answers_as_ar_and_vllm_counts_the_drafts(served):
     assert after[accepted] > before.get(accepted, 0.0)
     assert after["d3d_spec_decode_num_drafts_total"] > before["d3d_spec_decode_num_drafts_total"]
     assert after["d3d_drafter_worker_up"] == 1.0
+
+
+def proposer_steps(url: str, done, within: float = 15.0) -> dict[str, float]:
+    """The proposer's step counts on ``/metrics`` once ``done(counts)`` holds (they are polled
+    from vLLM's runner every second)."""
+    end = time.time() + within
+    while True:
+        got = {k: v for k, v in samples(url).items() if k.startswith("d3d_vllm_")}
+        if done(got) or time.time() > end:
+            return got
+        time.sleep(0.2)
+
+
+def test_steps_without_drafts_skip_the_engine_cores_round_trip(served):
+    """As the product runs vLLM (its engine core and model runner in processes of their own):
+    an ``ar`` request's steps take vLLM's plain path and the engine core fetches no drafts after
+    them; a ``sync`` request's steps fetch drafts."""
+    before = proposer_steps(served.url, lambda c: "d3d_vllm_plain_steps_total" in c)
+    n = chat(served.url, "ar")["usage"]["completion_tokens"]
+    plain = "d3d_vllm_plain_steps_total"
+    mid = proposer_steps(served.url, lambda c: c[plain] - before[plain] >= n)
+    assert mid[plain] - before[plain] >= n, "each step of an ar request"
+    for key in ("d3d_vllm_speculative_steps_total", "d3d_vllm_draft_fetches_total"):
+        assert mid[key] == before[key], key
+    chat(served.url, "sync")
+    fetches = "d3d_vllm_draft_fetches_total"
+    after = proposer_steps(served.url, lambda c: c[fetches] > mid[fetches])
+    assert after[fetches] > mid[fetches], "drafts still reach the scheduler"
+    assert after["d3d_vllm_speculative_steps_total"] > mid["d3d_vllm_speculative_steps_total"]
 
 
 def test_qa_keeps_the_own_engines_prompt(served):
