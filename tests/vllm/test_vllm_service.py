@@ -161,11 +161,24 @@ def proposer_steps(url: str, done, within: float = 15.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def settled(url: str, within: float = 15.0) -> dict[str, float]:
+    """The proposer's step counts once two polls a second apart agree."""
+    last = proposer_steps(url, lambda c: "d3d_vllm_plain_steps_total" in c)
+    end = time.time() + within
+    while time.time() < end:
+        time.sleep(1.2)
+        now = proposer_steps(url, lambda c: True)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def test_steps_without_drafts_skip_the_engine_cores_round_trip(served):
     """As the product runs vLLM (its engine core and model runner in processes of their own):
     an ``ar`` request's steps take vLLM's plain path and the engine core fetches no drafts after
     them; a ``sync`` request's steps fetch drafts."""
-    before = proposer_steps(served.url, lambda c: "d3d_vllm_plain_steps_total" in c)
+    before = settled(served.url)  # the warm-up's last steps counted
     n = chat(served.url, "ar")["usage"]["completion_tokens"]
     plain = "d3d_vllm_plain_steps_total"
     mid = proposer_steps(served.url, lambda c: c[plain] - before[plain] >= n)
