@@ -13,12 +13,12 @@ def test_a_short_soak_writes_its_report_and_plot(tmp_path, capsys):
     target = tmp_path / "tiny"
     tiny_model("llama", seed=1, window=512).save_pretrained(target)
     tiny_tokenizer().save_pretrained(target)
-    args = ["--clients", "2", "--minutes", "0.1", "--sample-every", "2", "--max-tokens", "8",
+    args = ["--clients", "2", "--minutes", "0.05", "--sample-every", "1", "--max-tokens", "8",
             "--out", str(tmp_path / "soak"), "--plot", str(tmp_path / "soak.png"),
             "--port", str(free_port()), "--server-args", f"--target {target} --threads 1"]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "/0.1 min]" in printed  # the progress lines
+    assert "/0.05 min]" in printed  # the progress lines
     assert "scaled by minutes/30" in printed and "errors: 0 -> PASS" in printed
     report = json.loads((tmp_path / "soak" / "soak.json").read_text())
     assert report["meta"]["server_args"][-4:] == ["--target", str(target), "--threads", "1"]
