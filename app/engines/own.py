@@ -240,7 +240,7 @@ class EngineWorker:
         # inside its own request, and every request behind it would wait for that.
         t0 = time.perf_counter()
         try:
-            self.models.documents.qa.compressor()
+            self.models.documents.reader.compressor()
         except Exception:  # documents then fail or build it on first use; chat is unaffected
             log.exception("building the document reader at warm-up failed")
         reader_s = time.perf_counter() - t0
