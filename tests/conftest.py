@@ -172,6 +172,22 @@ class OracleDrafter:
         return _OracleSession(self.target, self.k, self.wrong)
 
 
+class ScriptDrafter:
+    """Drafts the continuation it is given (a known greedy answer, the penalised reference):
+    an oracle for it that costs no forward, where :class:`OracleDrafter` recomputes the
+    target's continuation from scratch for every draft."""
+
+    def __init__(self, prompt: Sequence[int], continuation: Sequence[int], k: int = 15):
+        self.full, self.k = [*prompt, *continuation], k
+
+    def session(self, sampling, generator):
+        return self
+
+    def draft(self, token_ids: Sequence[int]) -> Draft:
+        nxt = self.full[len(token_ids) : len(token_ids) + self.k]
+        return Draft(tokens=torch.tensor(nxt + [0] * (self.k - len(nxt))), q=None)
+
+
 def tiny_engine(model: PreTrainedModel, drafter=None, block_size: int | None = None, backend=None):
     """The library's :class:`~d3d.engine.Engine` over a tiny model and a made-up tokenizer
     (``block_size``: the copy rounds' block when there is no drafter; ``backend``: how the

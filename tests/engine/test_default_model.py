@@ -7,13 +7,13 @@ about 20 s), so they are marked ``slow``; CI runs them.
 import json
 
 import pytest
-import torch
 
 from d3d.config import DecodeConfig
 from d3d.decoding.proposers import SyncProposer
 from d3d.engine import Engine, build_drafter, decode
-from d3d.model.drafter import D3DDrafter, Draft
+from d3d.model.drafter import D3DDrafter
 from d3d.model.load import load_target
+from tests.conftest import ScriptDrafter
 
 pytestmark = pytest.mark.slow
 
@@ -79,25 +79,6 @@ def test_async_and_auto_equal_ar_with_the_drafter_in_its_own_process(reference):
         engine.close()
 
 
-class AnswerKey:
-    """An oracle drafter that knows the answer: it drafts the next tokens of ``answer``, the
-    target's plain greedy continuation of ``prompt`` (computed once, where the tests' oracle,
-    :class:`tests.conftest.OracleDrafter`, recomputes it from scratch for every draft)."""
-
-    block_size = 16
-
-    def __init__(self, prompt: list[int], answer: list[int]):
-        self.start, self.answer = len(prompt), answer
-
-    def session(self, sampling, generator) -> "AnswerKey":
-        return self
-
-    def draft(self, token_ids) -> Draft:
-        at = len(token_ids) - self.start
-        toks = self.answer[at : at + self.block_size - 1]
-        return Draft(tokens=torch.tensor(toks + [0] * (self.block_size - 1 - len(toks))), q=None)
-
-
 def test_oracle_drafter_accepts_full_blocks_on_the_real_model(target):
     engine = Engine(target, None)
     ids = engine.encode(PROMPTS[0])
@@ -106,7 +87,7 @@ def test_oracle_drafter_accepts_full_blocks_on_the_real_model(target):
 
     stats = DecodeStats(mode="sync")
     cfg = DecodeConfig(mode="sync", max_new_tokens=33)
-    proposer = SyncProposer(AnswerKey(ids, ref.token_ids))
+    proposer = SyncProposer(ScriptDrafter(ids, ref.token_ids))  # the known answer
     out = [
         t for c in decode(target.model, proposer, ids, cfg, target.eos_token_ids, stats) for t in c
     ]

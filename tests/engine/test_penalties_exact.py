@@ -13,8 +13,6 @@ Logprobs: each emitted token's is the penalised distribution's at that point.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 
@@ -25,11 +23,11 @@ from d3d.engine import decode
 from d3d.engine.request import GenRequest
 from d3d.engine.scheduler import Scheduler
 from d3d.engine.stream import stream
-from d3d.model.drafter import D3DDrafter, Draft
+from d3d.model.drafter import D3DDrafter
 from d3d.sampling import log_distribution, probabilities
 from d3d.worker import AsyncProposer
 from tests.concurrency.fakes import ScriptedWorker
-from tests.conftest import TINY_VOCAB, greedy_continuation, tiny_model
+from tests.conftest import TINY_VOCAB, ScriptDrafter, greedy_continuation, tiny_model
 from tests.engine.test_copy_lossless import copy_rounds, copying_auto
 from tests.engine.test_sampling_exact import (
     PROMPT,
@@ -69,20 +67,6 @@ def reference(model, prompt, cfg: SamplingConfig, eos: set[int], n: int = N) -> 
         x = processed(next_logits(model, prompt + out), prompt, out, cfg, stops)
         out.append(int(x.argmax()))
     return out
-
-
-class ScriptDrafter:
-    """Drafts the continuation it is given (the penalised reference): an oracle for it."""
-
-    def __init__(self, prompt: Sequence[int], continuation: Sequence[int], k: int = 15):
-        self.full, self.k = [*prompt, *continuation], k
-
-    def session(self, sampling, generator):
-        return self
-
-    def draft(self, token_ids: Sequence[int]) -> Draft:
-        nxt = self.full[len(token_ids) : len(token_ids) + self.k]
-        return Draft(tokens=torch.tensor(nxt + [0] * (self.k - len(nxt))), q=None)
 
 
 def run(model, proposer, prompt, cfg: SamplingConfig, eos: set[int], n: int = N):

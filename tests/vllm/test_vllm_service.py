@@ -3,8 +3,9 @@ drafter), started as a user starts it, in a process of its own: the same routes 
 engine; answers in every mode equal ``ar``; ``/ready`` reports the drafter worker; ``/metrics``
 has vLLM's ``vllm:spec_decode_*`` counters beside the project's branch statistics; ``/qa``
 answers with kept spans from a kept prompt equal to the own engine's, read by the drafter
-worker; steps without drafts cost the engine core no round trip for drafts (``/metrics``); the API process holds no model (at most 1 GiB resident once ready) and the drafter is
-loaded once, in that worker."""
+worker; steps without drafts cost the engine core no round trip for drafts (``/metrics``); the
+API process holds no model (at most 1 GiB resident once ready) and the drafter is loaded once, in
+that worker."""
 
 from __future__ import annotations
 
