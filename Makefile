@@ -24,11 +24,17 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/d3d generate "$(PROMPT)" --compare --max-new-tokens 128
 
+# Two test processes (pytest-xdist), each taking whole test files so a file's shared fixtures are
+# built once: much of the suite waits on servers, subprocesses and vLLM starting, not on a core.
+# TEST_WORKERS=0 runs everything in this process, in file order.
+TEST_WORKERS ?= 2
+TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest $(TEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest $(TEST_ARGS) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -37,6 +37,7 @@ TINY_VOCAB = 101
 
 # Tiny models run fastest on one thread, and CI's two cores are shared with the test process.
 torch.set_num_threads(1)
+SET_NUM_THREADS = torch.set_num_threads  # vLLM's CPU worker, run in this process, replaces it
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,9 +45,13 @@ def threads_as_the_suite_set_them():
     """Each test module leaves this process's torch threads and cores as it found them: an
     engine built with ``threads=2`` (or pinned beside its drafter) sets them for the whole
     process, and left so it would run every later module's tiny models on two threads,
-    beside their drafter threads on two cores (the async tests took twice as long)."""
+    beside their drafter threads on two cores (the async tests took twice as long). A vLLM
+    engine run in this process (``tests/vllm``) replaces ``torch.set_num_threads`` with a
+    function that does nothing; the real one is put back, so a later module's budgets hold
+    whichever module ran before it (pytest-xdist hands modules out in any order)."""
     threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
     yield
+    torch.set_num_threads = SET_NUM_THREADS
     torch.set_num_threads(threads)
     os.sched_setaffinity(0, cores)
 
