@@ -143,4 +143,8 @@ def test_vllm_cpu_verification_of_sampled_drafts_is_not_exact(tiny_llama, tmp_pa
             n * float(torch.softmax(model(torch.tensor([[*PROMPT, t]])).logits[0, -1], -1)[2])
             for t, n in firsts.items()
         ) / len(seconds)
-    assert observed > expected + 0.3, (observed, expected)
+    # Exact verification keeps the rate within 0.04 of `expected` (three standard deviations at
+    # 1,000 requests). How far above it vLLM's CPU build lands depends on load: 0.71-0.80 with
+    # the test alone, 0.47-0.56 beside other work on the two cores (`make test`'s second test
+    # process, or busy loops); the expected rate is about 0.2.
+    assert observed > expected + 0.1, (observed, expected)
