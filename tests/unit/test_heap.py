@@ -34,10 +34,16 @@ CHILD = textwrap.dedent(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_activations_are_reused_without_page_faults():
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=True
-    )
-    before, after, kept, again = out.stdout.split()
+    # Up to three tries, each a fresh process: now and then (in 3 of 6 runs of `make test` in two
+    # processes here; never when run alone) glibc kept the memory before being told to, which
+    # leaves nothing to show.
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=True
+        )
+        before, after, kept, again = out.stdout.split()
+        if kept != "True" or int(before) >= 5_000:
+            break
     if kept != "True":
         pytest.skip("the C library is not glibc")
     assert again == "True"  # idempotent
