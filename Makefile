@@ -28,7 +28,7 @@ demo: setup
 # built once: much of the suite waits on servers, subprocesses and vLLM starting, not on a core.
 # TEST_WORKERS=0 runs everything in this process, in file order.
 TEST_WORKERS ?= 2
-# --no-loadscope-reorder: files in the order tests/conftest.py puts them (the longest first).
+# --no-loadscope-reorder: files in the order tests/scheduling.py puts them (the longest first).
 TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup

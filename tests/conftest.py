@@ -33,42 +33,13 @@ from transformers import (
 
 from d3d.model.drafter import Draft
 
+pytest_plugins = ["tests.scheduling"]  # the order of the test files under pytest-xdist
+
 TINY_VOCAB = 101
 
 # Tiny models run fastest on one thread, and CI's two cores are shared with the test process.
 torch.set_num_threads(1)
 SET_NUM_THREADS = torch.set_num_threads  # vLLM's CPU worker, run in this process, replaces it
-
-
-# The test files that take longest in `make test`'s two processes, longest first (from about
-# 180 s down to 30 s each there). pytest-xdist (`--dist loadfile --no-loadscope-reorder`) hands
-# out whole files in collection order, so these go first and the many short files fill in behind
-# them: the two processes end close together instead of one starting a long file when the other
-# is nearly done. Only the order changes.
-LONGEST_FIRST = (
-    "tests/vllm/test_vllm_service.py",
-    "tests/engine/test_default_model.py",
-    "tests/api/test_docker_image.py",
-    "tests/engine/test_training_distributed.py",
-    "tests/vllm/test_vllm_proposer.py",
-    "tests/api/test_ray_serve.py",
-    "tests/engine/test_penalties_exact.py",
-    "tests/vllm/test_vllm_data.py",
-    "tests/api/test_openai_sdk.py",
-    "tests/engine/test_async_lossless.py",
-    "tests/vllm/test_vllm_no_drafter.py",
-    "tests/engine/test_question_scorer.py",
-    "tests/engine/test_drafters_any_target.py",
-    "tests/engine/test_needles.py",
-    "tests/api/test_deploy.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # one process: file order
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,7 +3,7 @@ drop out of ``LONGEST_FIRST`` silently and start late in ``make test``'s two pro
 
 from pathlib import Path
 
-from tests.conftest import LONGEST_FIRST
+from tests.scheduling import LONGEST_FIRST
 
 ROOT = Path(__file__).resolve().parents[2]
 
