@@ -14,7 +14,8 @@ ends (a run cut short keeps what it finished):
    (Qwen3-1.7B's dimensions, ``d3d/configs/qwen3-1.7b.json``) and for the target's first 31
    layers (the paper's pruned 8B drafter), against the target's verify.
 4. **exactness** — greedy decoding through captured steps against the same steps eager, in
-   float32, token for token (a few layers of the target's shape).
+   float32, token for token (a few layers of the target's shape); and with two targets capturing
+   and decoding in two threads at once, as the engine's target and a drafter thread do.
 5. **replay** — the engine serving requests in ``ar``, ``sync`` and ``async`` with the replay
    drafter at the paper's acceptance (``replay:7.88``: a measurement instrument, the target's
    own recorded tokens corrupted to that mean acceptance, :mod:`d3d.replay`), at 1 and 16

@@ -45,6 +45,12 @@ def table(res: dict) -> str:
             f"| captured = eager, fp32 | {ex['rows_equal']} of {ex['rows']} rows | {ex['against']} "
             f"| 16 of 16 |"
         )
+    if "two_threads_rows_equal" in ex:
+        pair = " and ".join(str(n) for n in ex["two_threads_rows_equal"])
+        lines.append(
+            f"| captured in two threads at once = eager | {pair} of {ex['rows']} rows | "
+            f"{ex['against']} | 16 of 16 each |"
+        )
     for key in sorted(k for k in res if k.startswith("replay_")):
         modes = (res[key] or {}).get("modes") or {}
         n = key.split("_")[1]

@@ -16,7 +16,8 @@
   31 layers.
 - :func:`captured_equals_eager`: greedy decoding of rows through captured steps against the
   same steps run eagerly (on a CPU: the eager cuda step against the reference backend), token
-  for token.
+  for token; and again with two targets capturing and decoding in two threads at once, as the
+  engine's target and a drafter worker's thread do in one process.
 - :func:`memory_against_plan`: the device's peak allocation against ``d3d plan``'s count.
 
 Timings are medians over repeats, the device synchronised around each call (a step's time is
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -222,6 +224,8 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
         model, budget, rows=rows, block=BLOCK
     )
     a, b = greedy(fast, prompts, steps), greedy(slow, prompts, steps)
+    pair = [choose("cuda", device).target(model, budget, rows=rows, block=BLOCK) for _ in "ab"]
+    both = in_two_threads([lambda t=t: greedy(t, prompts, steps) for t in pair])
     return {
         "captured": on_gpu,
         "against": "eager cuda steps" if on_gpu else "the reference backend (no GPU)",
@@ -229,7 +233,30 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
         "steps": steps,
         "rows_equal": sum(x == y for x, y in zip(a, b, strict=True)),
         "graphs": fast.runner.captured if isinstance(fast, CudaTarget) else 0,
+        "two_threads_rows_equal": [sum(x == y for x, y in zip(o, b, strict=True)) for o in both],
     }
+
+
+def in_two_threads(calls: Sequence[Callable[[], list]]) -> list[list]:
+    """Each call's result, the calls run at once in threads of their own (an error in one is
+    raised here)."""
+    results: list = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except Exception as exc:  # re-raised in the caller's thread
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
 
 
 def memory_against_plan(config: dict, device: torch.device, dtype: torch.dtype, rows: int,

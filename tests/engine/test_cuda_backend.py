@@ -5,12 +5,17 @@ replayed from CUDA graphs give the eager step's logits."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import pytest
 import torch
 
 from d3d.backends import choose
 from d3d.backends.cuda import CudaBackend, CudaTarget
-from d3d.backends.cuda.forward import attended, unfit
+from d3d.backends.cuda.forward import StepInputs, attended, unfit
+from d3d.backends.cuda.graphs import Graphs
 from d3d.backends.cuda.kv import MIN_CAPACITY, SlotLimitError, StaticKV, static_shape
 from d3d.backends.reference import ReferenceBackend
 from d3d.engine import GenRequest
@@ -150,3 +155,82 @@ def test_captured_steps_give_the_eager_steps_logits():
             assert t.runner.captured == 2  # (B 4, T 1) and (B 4, T 6), n 256
     for a, b in zip(steps[True], steps[False], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _FakeCuda:
+    """Just enough of ``torch.cuda`` for :class:`Graphs` to capture on a CPU: it records each
+    capture's stream and mode and how many captures were under way at once."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active = self.most = 0
+        self.captures: list[tuple[object, str]] = []
+
+    def install(self, monkeypatch) -> None:
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.device = device
+
+            def wait_stream(self, other):
+                pass
+
+        class CUDAGraph:
+            def pool(self):
+                return "pool"
+
+            def replay(self):
+                pass
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None, capture_error_mode="global"):
+            with fake.lock:
+                fake.active += 1
+                fake.most = max(fake.most, fake.active)
+                fake.captures.append((stream, capture_error_mode))
+            try:
+                yield
+            finally:
+                with fake.lock:
+                    fake.active -= 1
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: Stream(d))
+
+
+def test_two_threads_capture_one_at_a_time_each_on_its_own_stream(monkeypatch):
+    """The engine's target and a drafter worker's thread capture in one process: each
+    :class:`Graphs` captures on a stream of its own on its inputs' device, in thread-local mode,
+    never while the other captures (d3d.backends.cuda.graphs)."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+
+    def step(x: StepInputs, n: int) -> torch.Tensor:
+        time.sleep(0.01)  # a capture long enough for the other thread to try its own
+        return x.ids.float().sum() + n
+
+    runners = [Graphs(step), Graphs(step)]
+    got: dict[int, list[float]] = {0: [], 1: []}
+
+    def drive(i: int) -> None:
+        for rows in (1, 2, 4, 1, 2):
+            x = StepInputs.empty(rows, 1 + i, torch.device("cpu"))
+            got[i].append(float(runners[i].run(x, 256)))
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {0: [256.0] * 5, 1: [256.0] * 5}
+    assert [r.captured for r in runners] == [3, 3]  # rows 1, 2, 4; the repeats replay
+    assert fake.most == 1, "two captures were under way at once"
+    streams = {id(s) for s, _ in fake.captures}
+    assert streams == {id(r.stream) for r in runners} and len(streams) == 2
+    assert all(s.device == torch.device("cpu") for s, _ in fake.captures)  # the inputs' device
+    assert {mode for _, mode in fake.captures} == {"thread_local"}

@@ -56,6 +56,7 @@ def test_script_tiny_runs_every_stage(tmp_path):
 
     ex = res["exactness"]
     assert ex["rows_equal"] == ex["rows"] == 16 and not ex["captured"]
+    assert ex["two_threads_rows_equal"] == [16, 16]
 
     for key, rows in (("replay_1", 1), ("replay_16", 16)):
         svc = res[key]

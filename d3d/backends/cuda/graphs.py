@@ -10,6 +10,15 @@ the step's new keys exactly where the step itself writes them (after each row's 
 length, positions no committed token holds), so capturing among live rows harms none. Later
 steps of that shape copy their inputs in and replay: one launch for the whole forward.
 
+Two threads capture in one process (the engine's target and a drafter worker's thread, on one
+GPU or two), so a capture must not depend on, or disturb, the other: each :class:`Graphs` warms
+up and captures on a stream of its own on its inputs' device (``torch.cuda.graph``'s default
+capture stream is one per process, made on whichever device captured first); the capture mode is
+``thread_local``, so the other thread's allocations and waits on its own streams stay legal while
+this one captures; and :data:`CAPTURE` lets one capture run at a time in the process, since
+``torch.cuda.graph`` synchronises the device and empties the allocator's cache as it begins,
+neither of which may happen while another thread's capture is under way.
+
 :class:`Eager` has the same interface and runs the step each time (the CPU, tests, and
 ``graphs=False``).
 
@@ -18,12 +27,14 @@ Letters: B rows, T tokens a row, n keys attended, H hidden.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 Step = Callable[[Any, int], torch.Tensor]  # (inputs, n) -> hidden states [B*T, H]
+CAPTURE = threading.Lock()  # one capture at a time in this process (module docstring)
 
 
 def shape_key(inputs: Any, n: int) -> tuple:
@@ -49,6 +60,7 @@ class Graphs:
     def __init__(self, step: Step):
         self.step = step
         self.pool = None  # one memory pool shared by every graph (they never run at once)
+        self.stream: torch.cuda.Stream | None = None  # this instance's capture stream
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
@@ -61,14 +73,20 @@ class Graphs:
             graph, out = self.graphs[key]
             graph.replay()
             return out
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.step(inputs, n)  # warm-up: kernels chosen, workspaces allocated
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.step(inputs, n)
+        device = next(iter(vars(inputs).values())).device
+        with CAPTURE, torch.cuda.device(device):
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device)
+            stream, current = self.stream, torch.cuda.current_stream(device)
+            stream.wait_stream(current)  # the inputs were written on the current stream
+            with torch.cuda.stream(stream):
+                self.step(inputs, n)  # warm-up: kernels chosen, workspaces allocated
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                out = self.step(inputs, n)
         self.pool = graph.pool()
         self.graphs[key] = (graph, out)
         graph.replay()  # capturing ran nothing: this is the step
