@@ -130,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU works), for tests")
     p.add_argument("--device", default=None, help="cuda, cuda:N (default), or cpu with --tiny")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the target's and drafters' (auto: bfloat16 on a GPU, float32 on a CPU)",
+    )
     p.add_argument("--context", type=int, default=1024, help="cached tokens before each step")
     p.add_argument("--rows", default="1,16,64", help="decode stage: rows per step")
     p.add_argument("--repeats", type=int, default=10)
@@ -174,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckError as exc:
         print(f"gpu_check: error: {exc}", file=sys.stderr)
         return 2
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     config = shape_config(SHAPE, TINY if args.tiny else None)
     name = f"{SHAPE}-tiny" if args.tiny else SHAPE
     res: dict = {
@@ -209,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     big = device.type == "cuda" and not args.tiny
     target = st.build_model(config, device, dtype)
+    res["target_margins"] = st.wide_margins(target)  # the replay's recording holds in bf16
     res["build_s"] = round(time.perf_counter() - t_start, 2)
     bandwidth = {}
 

@@ -70,6 +70,37 @@ def build_model(config: dict, device: torch.device, dtype: torch.dtype, layers: 
     return random_model(AutoConfig.for_model(d.pop("model_type"), **d), device, dtype, layers)
 
 
+RESIDUAL_SCALE = 0.01  # what each layer's attention and MLP add, against a random model's
+
+
+@torch.no_grad()
+def wide_margins(model, seed: int = 0) -> dict:
+    """Give a random model wide greedy margins, in place, without changing what a step costs.
+
+    A random model's next-token scores are nearly flat, so a greedy token is often a near-tie,
+    and in bf16 a 16-token verify rounds differently from a 1-token step: the text a ``sync`` or
+    ``async`` request decodes leaves the one its ``ar`` run recorded within a few dozen tokens,
+    and the replay instrument, which proposes that recording, has nothing more to propose (on
+    the CPU in bf16 the tiny check left it after 23 and 48 of 64 tokens). A trained target is
+    confident on most tokens; this makes the random one so: each layer's attention and MLP
+    write :data:`RESIDUAL_SCALE` of their output into the residual stream (``o_proj`` and
+    ``down_proj`` scaled), so the final hidden state stays close to the current token's
+    embedding, and the LM head's rows are the input embedding's, permuted (an untied head), so
+    one next token scores about ``sqrt(hidden)`` times any other. Only values change, never a
+    shape, a dtype or a kernel, so every timing is what it was. Returns what was done, for the
+    JSON."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.mul_(RESIDUAL_SCALE)
+        layer.mlp.down_proj.weight.mul_(RESIDUAL_SCALE)
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == emb.data_ptr()
+    if not tied:  # a tied head already scores the current token's own embedding highest
+        perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
+        head.copy_(emb.index_select(0, perm.to(emb.device)))
+    return {"residual_scale": RESIDUAL_SCALE, "head": "tied" if tied else "embedding, permuted"}
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
     """Bytes read and written per second by ``copy_`` of ``nbytes``."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

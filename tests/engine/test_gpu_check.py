@@ -39,6 +39,7 @@ def test_script_tiny_runs_every_stage(tmp_path):
         "bandwidth", "decode", "drafters", "exactness", "replay_1", "replay_16", "projection",
         "memory",
     }  # fmt: skip
+    assert res["target_margins"]["residual_scale"] == 0.01
     assert res["target"] == "qwen3-8b-tiny" and res["elapsed_s"] < res["budget_s"]
     assert res["bandwidth"]["bytes_per_s"] > 0
 
@@ -71,6 +72,22 @@ def test_script_tiny_runs_every_stage(tmp_path):
     for pr in res["projection"].values():
         assert pr["speedup_vs_ar"] > 0 and pr["paper_speedup"] == 5.0
     assert res["memory"]["plan_target_bytes"] > 0 and res["memory"]["measured_peak_bytes"] is None
+
+
+def test_the_replay_keeps_to_its_recording_in_bf16(tmp_path):
+    """In bf16 a verify rounds unlike a step, and a random target's near-ties flip: without
+    :func:`d3d.tools.gpu_stages.wide_margins` the replayed requests leave their recording
+    (here 1 of 16 within 64 tokens; all 16 of 16 of an 8B shape on an H200) and the instrument
+    stops proposing for them; with it every request keeps to it."""
+    out = tmp_path / "gc.json"
+    flags = ["--dtype", "bfloat16", "--prompt-tokens", "24", "--new-tokens", "64"]
+    assert main([*TINY_RUN, "--out", str(out), *flags, "--replay-rows", "16"]) == 0
+    res = json.loads(out.read_text())
+    assert res["dtype"] == "bfloat16" and res["target_margins"]["head"] == "embedding, permuted"
+    for mode in ("sync", "async"):
+        r = res["replay_16"]["modes"][mode]
+        assert r["matches_ar"] == 16, mode
+        assert 7.0 <= r["acceptance_length"] <= 8.8, (mode, r["acceptance_length"])
 
 
 def test_projection_hides_a_round_that_fits_a_verify():
