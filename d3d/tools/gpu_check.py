@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import logging
 import sys
@@ -228,13 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     rate = bandwidth.get("bytes_per_s") or 1.0
     graphs = device.type == "cuda"
     stage("decode", lambda: st.decode_steps(target, rows, args.context, args.repeats, rate, graphs))
+    # the peak so far is the decode stage's widest step (the replay stages reset the peak)
+    kv = args.context + 2 * st.BLOCK
+    stage("memory", lambda: st.memory_against_plan(config, device, dtype, max(rows), kv))
     stage("drafters", lambda: _drafters(target, args, device, dtype, res))
     stage("exactness", lambda: _exactness(config, device, args))
     for s in services:
         stage(f"replay_{s.requests}", lambda s=s: _replay(target, name, config, s, time_left, res))
     stage("projection", lambda: _projection(res))
-    kv = args.context + 2 * st.BLOCK
-    stage("memory", lambda: st.memory_against_plan(config, device, dtype, max(rows), kv))
     target = None  # the vLLM stage builds its own copy
     gc.collect()
     if device.type == "cuda":
@@ -298,6 +300,8 @@ def _projection(res: dict) -> dict:
 
 
 def _vllm(config, device, dtype, args, time_left, res: dict) -> dict:
+    if importlib.util.find_spec("vllm") is None:  # before building a second target for it
+        return {"skipped": "vLLM is not installed here (pip install -e '.[vllm]')"}
     target = st.build_model(config, device, dtype)
     try:
         got = run_vllm(target, 16, args.prompt_tokens, args.new_tokens, "self:2", time_left)
