@@ -110,9 +110,12 @@ class PackedDraftServer(DraftServer):
         """Prepared blocks of scores [R, K, V_d]: greedy rows' tokens in one copy back."""
         greedy = [i for i, s in enumerate(sessions) if s.sampling.greedy]
         out: list[Prepared | None] = [None] * len(sessions)
-        if greedy:
-            idx = torch.tensor(greedy, device=scores.device)
-            tokens = self.drafter.to_target_ids(scores.index_select(0, idx).argmax(-1)).tolist()
+        if greedy:  # every row greedy (the usual step): no index to copy over first
+            some = scores
+            if len(greedy) < len(sessions):
+                idx = torch.tensor(greedy).to(scores.device, non_blocking=True)
+                some = scores.index_select(0, idx)
+            tokens = self.drafter.to_target_ids(some.argmax(-1)).tolist()
             for i, t in zip(greedy, tokens, strict=True):
                 out[i] = Prepared(t, scores[i])
         return [

@@ -96,6 +96,24 @@ def test_a_disagreeing_sample_runs_the_reference_unless_trusted(monkeypatch):
     assert isinstance(CudaBackend(graphs=False, trust=True).target(model, 4096), CudaTarget)
 
 
+def test_a_sample_that_raises_runs_the_reference_even_trusted(monkeypatch):
+    """A capture the device refuses, or a kernel that does not take the shapes, fails the
+    load-time sample: the reference runs the model, trusted or not, and the report says why."""
+    from d3d.backends import check
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(check, "sample_error", refused)
+    model = tiny_model("qwen3", seed=3)
+    for trust in (False, True):
+        assert not isinstance(
+            CudaBackend(graphs=False, trust=trust).target(model, 4096), CudaTarget
+        )
+    report = CudaBackend(graphs=False).report(model)
+    assert not report["agrees"] and "not permitted when stream is capturing" in report["failed"]
+
+
 def test_auto_picks_cuda_on_a_gpu_and_the_cpu_backend_here():
     assert choose("auto", "cpu").name == "cpu"
     assert choose("cuda", "cpu").name == "cuda" and not choose("cuda", "cpu").graphs

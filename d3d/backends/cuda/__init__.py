@@ -10,7 +10,9 @@
 :class:`CudaBackend` builds the step target and proves it at load: a sample of two rows read
 eagerly, then a plain step and a K+1-token verify step through the decode path (captured, on a
 GPU), each step's logits against the reference backend's (:mod:`d3d.backends.check`). A model of
-another form, or a sample that disagrees, runs the reference backend, with the reason logged.
+another form, a sample that disagrees, or a sample that raises (a capture the device refused, a
+kernel that does not take the shapes) runs the reference backend, with the reason logged; only a
+disagreement can be overridden (``trust``), never a sample that did not run.
 ``graphs=False`` runs the same step code without capturing it: that is how it runs on a CPU,
 where the tests prove it token for token.
 """
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 SAMPLE_BLOCK = 16  # the load-time sample's verify width
 _ERRORS: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+_FAILED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # why it raised
 
 
 class CudaBackend(ReferenceBackend):
@@ -74,7 +77,7 @@ class CudaBackend(ReferenceBackend):
     ) -> BatchTarget:
         """A :class:`CudaTarget` for at most ``rows`` rows at once over ``max_kv_tokens``, or the
         reference's target where the model does not fit or its sample disagrees."""
-        if unfit(model) or not (self._agrees(model) or self.trust):
+        if unfit(model) or not (self._agrees(model) or (self.trust and model not in _FAILED)):
             return super().target(model, max_kv_tokens, clock)
         return self._target(model, max_kv_tokens, clock, rows, block)
 
@@ -89,23 +92,31 @@ class CudaBackend(ReferenceBackend):
         tolerance and the verdict (the sample runs on first use)."""
         err = self._error(model)
         limit = check.tolerance(next(model.parameters()).dtype)
-        return {"relative_error": err, "tolerance": limit, "agrees": err <= limit}
+        out = {"relative_error": err, "tolerance": limit, "agrees": err <= limit}
+        if model in _FAILED:
+            out["failed"] = _FAILED[model]
+        return out
 
     def _agrees(self, model: nn.Module) -> bool:
         ok = self.report(model)["agrees"]
         if not ok:
             log.warning("the cuda backend's sample differs from the reference: %s%s",
-                        self.report(model), "; running it anyway" if self.trust else "")  # fmt: skip
+                        self.report(model), "; running it anyway" if self.trust and model not in _FAILED else "")  # fmt: skip
         return ok
 
     def _error(self, model: nn.Module) -> float:
         """Eager prompt chunks, then a plain and a verify step on the decode path, against the
         reference (once per model; inf where the decode path did not run)."""
         if model not in _ERRORS:
-            t = self._target(model, 2 * MIN_CAPACITY, WALL, 2, SAMPLE_BLOCK)
-            schedule = ((5, 3), (1, 1), (SAMPLE_BLOCK, SAMPLE_BLOCK))
-            err = check.sample_error(model, check.steps_of(t), schedule)
-            _ERRORS[model] = err if t.counts["decode"] == 2 else float("inf")
+            try:
+                t = self._target(model, 2 * MIN_CAPACITY, WALL, 2, SAMPLE_BLOCK)
+                schedule = ((5, 3), (1, 1), (SAMPLE_BLOCK, SAMPLE_BLOCK))
+                err = check.sample_error(model, check.steps_of(t), schedule)
+                _ERRORS[model] = err if t.counts["decode"] == 2 else float("inf")
+            except Exception as exc:  # the reference runs the model; the reason is logged
+                log.exception("the cuda backend's sample failed")
+                _FAILED[model] = f"{type(exc).__name__}: {exc}"
+                _ERRORS[model] = float("inf")
         return _ERRORS[model]
 
 

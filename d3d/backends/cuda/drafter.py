@@ -15,8 +15,9 @@ packed forward, captured per shape.
   its slot's end) runs the same step eagerly over just the step's rows.
 - **Copies**: one host-to-device copy of the chains, lengths and slots per step; the blocks'
   anchors and visible lengths may already be on the device (the on-device branch choice,
-  :func:`d3d.worker.branches.choose_rows`), written into the step's inputs there. The caller
-  takes the tokens back in one copy.
+  :func:`d3d.worker.branches.choose_rows`), written into the step's inputs there, or come from
+  the host (a step of missed blocks), in that same copy. The caller takes the tokens back in
+  one copy.
 
 :func:`mark` is how the cuda backend tells the worker, through ``prepare_drafter``, to draft
 this way (:func:`d3d.worker.workers.server_for` reads :func:`plan_of`).
@@ -148,10 +149,15 @@ class PackedDrafter:
             lengths[at[i]] = row.length
             grid[at[i]][: len(chain)] = chain
         ends = [at[i] * t + max(len(c), 1) - 1 for i, c in enumerate(chains)]
-        host = torch.tensor([*(v for g in grid for v in g), *lengths, *at, *ends])
+        # visible lengths and anchors given on the host travel in the step's one copy
+        given = visible.device.type == "cpu" and nb > 0
+        extra = [*visible.reshape(-1).tolist(), *anchors.reshape(-1).tolist()] if given else []
+        host = torch.tensor([*(v for g in grid for v in g), *lengths, *at, *ends, *extra])
         dev = host.to(self.device, non_blocking=True)
-        cut = [bucket * width, bucket, r, r]
-        grid_d, lengths_d, at_d, ends_d = dev.split(cut)
+        cut = [bucket * width, bucket, r, r, len(extra)]
+        grid_d, lengths_d, at_d, ends_d, extra_d = dev.split(cut)
+        if given:
+            visible, anchors = extra_d.view(2, r, nb).unbind(0)
         x = self.inputs.get((bucket, t, nb))
         if x is None:
             x = self.inputs[(bucket, t, nb)] = PackedInputs.empty(bucket, t, nb, self.device)
@@ -168,7 +174,7 @@ class PackedDrafter:
             hidden = self.runner.run(x, n)  # [B*T, H]
         else:
             self.counts["eager"] += 1
-            slots = torch.tensor([row.slot for row in rows], device=self.device)
+            slots = torch.tensor([row.slot for row in rows]).to(self.device, non_blocking=True)
             hidden = self.step(x, n, slots)
         for row, chain in zip(rows, chains, strict=True):
             self.kv.commit(row, len(chain))

@@ -160,8 +160,11 @@ class StaticForward:
         cos, sin = self.inner.rotary_emb(h[None], pos)  # [1, N, D] each
         rows = torch.arange(b, device=h.device) if slots is None else slots
         write = rows.repeat_interleave(t)  # [N]: each new key's slot
-        # query (g, t) of a row: [B, 1, G*T, n]
-        mask = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+        # query (g, t) of a row: [B, 1, G*T, n], additive (made once, not by SDPA in every layer)
+        sees = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+        mask = torch.zeros(sees.shape, dtype=h.dtype, device=h.device).masked_fill_(
+            ~sees, float("-inf")
+        )
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             xs = layer.input_layernorm(h)

@@ -87,9 +87,10 @@ class CudaTarget(BatchTarget):
         self.counts["decode"] += 1
         width, bucket = plan
         timed = self.device.type == "cuda"
-        if timed:
+        if timed:  # on this device's stream, whichever device is the thread's current one
+            stream = torch.cuda.current_stream(self.device)
             start = torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
         else:
             t0 = self.clock.now()
         live = [r.length for r in self.kv.slab.rows]  # every slot's, in the step or not
@@ -115,7 +116,7 @@ class CudaTarget(BatchTarget):
         self.last_logits = logits
         if timed:
             end = torch.cuda.Event(enable_timing=True)
-            end.record()
+            end.record(stream)
             self._events = (start, end)
         else:
             self.last_seconds = self.clock.now() - t0
