@@ -63,6 +63,19 @@ def table(res: dict) -> str:
                     f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')} | "
                     f"{goal} |"
                 )
+        most = {m: ((modes.get(m) or {}).get("syncs_per_decode_step") or {}).get("max")
+                for m in ("ar", "sync", "async")}  # fmt: skip
+        most = {m: v for m, v in most.items() if v is not None}
+        if most:
+            shown = (
+                " / ".join(f"{v:g}" for v in most.values()) + " at most"
+                if res.get("device") != "cpu"
+                else "not measured (no CUDA)"
+            )
+            lines.append(
+                f"| engine's host-device waits a decode step ({' / '.join(most)}), {n} row(s) "
+                f"| {shown} | | <= 1 |"
+            )
     for name, pr in (res.get("projection") or {}).items():
         if isinstance(pr, dict) and "speedup_vs_ar" in pr:
             lines.append(

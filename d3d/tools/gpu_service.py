@@ -11,7 +11,9 @@ requests through the engine's one scheduler (``engine.scheduler(max_batch=reques
 - aggregate throughput (generated tokens over the stage's wall time, prompts included) and the
   decode-only rate (tokens over the steps that read no prompt), and the ratio to ``ar``;
 - steps, and per decode step its time and its verify forward's time (the scheduler's
-  ``last_verify_s``), with the forward's width (tokens per step);
+  ``last_verify_s``), with the forward's width (tokens per step), and the host-device waits
+  the engine's thread made in it (:mod:`d3d.tools.syncs`; the clock's own waits around the
+  step are not counted; other threads' waits, the drafter worker's, as totals);
 - the requests' speculation figures (vLLM names: drafts, draft tokens, accepted tokens,
   acceptance length; the asynchronous pipeline's hits, misses and worker failures);
 - whether each request's tokens equal its ``ar`` tokens (greedy is lossless; in bf16 on a GPU a
@@ -32,6 +34,7 @@ import gc
 import json
 import statistics
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +48,7 @@ from d3d.decoding.stats import DecodeStats
 from d3d.engine import Engine, GenRequest, PrefillBudget, build_drafter, check_device
 from d3d.model.load import LoadedModel
 from d3d.tools.plan import PlanSettings, make_plan
+from d3d.tools.syncs import SyncCounter
 from d3d.worker import ServerConfig
 
 
@@ -81,18 +85,14 @@ class ServiceSettings:
         return any(m != "ar" for m in self.modes)
 
 
-def _cuda_devices(engine: Engine) -> list[torch.device]:
-    return list(engine.clock.cuda)
-
-
 def _peaks(engine: Engine) -> dict[str, int] | None:
-    devs = _cuda_devices(engine)
+    devs = engine.clock.cuda
     return {str(d): int(torch.cuda.max_memory_allocated(d)) for d in devs} if devs else None
 
 
 def _reset_peaks(engine: Engine) -> None:
     gc.collect()
-    for d in _cuda_devices(engine):
+    for d in engine.clock.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(d)
 
@@ -192,6 +192,7 @@ class _Step:
     verify_s: float | None  # the scheduler's last_verify_s: None when the step read a prompt
     tokens: int  # emitted by the step
     rows: int  # running when it began
+    syncs: int = 0  # host-device waits the engine's thread made in it (d3d.tools.syncs)
 
 
 @dataclass
@@ -205,6 +206,7 @@ class ModeRun:
     t0: float
     timed_out: bool
     peaks: dict[str, int] | None
+    other_syncs: dict[str, int] = field(default_factory=dict)  # other threads' (the worker's)
 
     @property
     def outputs(self) -> list[list[int]]:
@@ -238,6 +240,8 @@ class ModeRun:
             "decode_steps": len(decode),
             "prefill_steps": len(self.steps) - len(decode),
             "step_ms": _spread([s.seconds * 1e3 for s in decode]),
+            "syncs_per_decode_step": _spread([float(s.syncs) for s in decode], 1),
+            "other_threads_syncs": self.other_syncs,
             "verify_ms": _spread([s.verify_s * 1e3 for s in decode if s.verify_s is not None]),
             "rows_per_decode_step": _spread([float(s.rows) for s in decode], 1),
             "ttft_s": _spread([r.first_at - self.t0 for r in self.requests if r.first_at]),
@@ -270,18 +274,23 @@ def run_mode(
         sched.add(req)
     steps: list[_Step] = []
     timed_out = False
-    while not sched.idle:
-        if not timed_out and clock.now() - t0 > limit_s:
-            timed_out = True
-            for req in reqs:
-                req.cancel()  # dropped at the next step
-        before = sum(len(r.tokens) for r in requests)
-        rows, a = len(sched.rows), clock.now()
-        sched.step()
-        after = sum(len(r.tokens) for r in requests)
-        steps.append(_Step(clock.now() - a, sched.last_verify_s, after - before, rows))
+    with SyncCounter() as syncs:
+        while not sched.idle:
+            if not timed_out and clock.now() - t0 > limit_s:
+                timed_out = True
+                for req in reqs:
+                    req.cancel()  # dropped at the next step
+            before = sum(len(r.tokens) for r in requests)
+            rows, a = len(sched.rows), clock.now()
+            syncs.take()  # the clock's own wait is not the step's
+            sched.step()
+            n = syncs.take()
+            after = sum(len(r.tokens) for r in requests)
+            steps.append(_Step(clock.now() - a, sched.last_verify_s, after - before, rows, n))
     wall = clock.now() - t0
-    return ModeRun(mode, requests, steps, wall, t0, timed_out, _peaks(engine))
+    me = threading.current_thread().name  # its leftovers are the clock's waits
+    others = {k: v for k, v in syncs.by_thread.items() if k != me}
+    return ModeRun(mode, requests, steps, wall, t0, timed_out, _peaks(engine), others)
 
 
 def run_service(

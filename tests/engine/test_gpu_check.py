@@ -67,6 +67,7 @@ def test_script_tiny_runs_every_stage(tmp_path):
             r = svc["modes"][mode]
             assert r["matches_ar"] == rows, (key, mode)  # lossless, float32
             assert r["errors"] == [] and not r["timed_out"]
+            assert r["syncs_per_decode_step"] is not None  # counted on CUDA only (0 here)
             assert 6.5 <= r["acceptance_length"] <= 9.0, (key, mode, r["acceptance_length"])
         assert svc["modes"]["async"]["branch_hits"] > 0
     for pr in res["projection"].values():
