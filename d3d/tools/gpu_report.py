@@ -74,7 +74,7 @@ def table(res: dict) -> str:
             )
             lines.append(
                 f"| engine's host-device waits a decode step ({' / '.join(most)}), {n} row(s) "
-                f"| {shown} | | <= 1 |"
+                f"| {shown} | sync also waits for each row's draft | ar, async: <= 1 |"
             )
     for name, pr in (res.get("projection") or {}).items():
         if isinstance(pr, dict) and "speedup_vs_ar" in pr:
