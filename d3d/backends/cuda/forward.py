@@ -22,10 +22,12 @@ the longest row, :func:`attended`), the G = Hq / Hkv query heads that share a ke
 as one matrix of G*T queries against it (each key is read once, no repeated KV), masked by each
 row's length: one ``scaled_dot_product_attention`` call per layer for the whole step.
 
-The modules' own code runs the norms, projections, the MLP and the rotary table (the model's
-RMSNorm, ``nn.Linear`` and MLP modules, its ``rotary_emb`` and its modeling module's
-``apply_rotary_pos_emb``), so the numbers are the model's own up to summation order; only the
-attention and the KV writes are this module's. :func:`unfit` says why a model cannot run it.
+The modules' own code runs the projections, the MLP and the rotary table (``nn.Linear`` and
+MLP modules, its ``rotary_emb``); the norms and the rotation are the model's own or, where a
+sample proves them equal, fused forms of them with fewer kernels (:mod:`d3d.backends.cuda.fused`:
+torch's one-kernel ``rms_norm``, q and k rotated together), so the numbers are the model's own
+up to rounding; only the attention and the KV writes are this module's. :func:`unfit` says why
+a model cannot run it.
 
 Letters: B rows (slots), T new tokens a row, N = B*T, S slots, C a slot's capacity, n keys
 attended, H hidden, Hq / Hkv heads, G = Hq / Hkv, D head dim, M kept positions, V vocab.
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from d3d.backends.cuda.fused import norm_of, rope_of
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
 MIN_ATTENDED = 256  # the fewest keys a step attends (n is a power of two from here up to C)
@@ -125,6 +129,19 @@ class StaticForward:
         self.scaling = a.scaling
         self.rope = _rope_rule(a)
         self.keys, self.values = keys, values  # per layer: [S, Hkv, C, D]
+        # the model's norms and rotary rule, fused where a sample agrees (d3d.backends.cuda.fused)
+        self.norms = [
+            (norm_of(x.input_layernorm), norm_of(x.post_attention_layernorm)) for x in self.layers
+        ]
+        self.qk_norms = [
+            (norm_of(x.self_attn.q_norm), norm_of(x.self_attn.k_norm))
+            if getattr(x.self_attn, "q_norm", None) is not None
+            else None
+            for x in self.layers
+        ]
+        self.final_norm = norm_of(inner.norm)
+        dtype = next(model.parameters()).dtype
+        self.rotate = rope_of(self.rope, inner.rotary_emb, dtype, self.hq, self.hkv, self.d)
 
     @torch.inference_mode()
     def __call__(self, x: StepInputs, n: int) -> torch.Tensor:
@@ -167,17 +184,18 @@ class StaticForward:
         )
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            xs = layer.input_layernorm(h)
+            norm_in, norm_post = self.norms[i]
+            xs = norm_in(h)
             q = a.q_proj(xs).view(b * t, hq, d)
             k = a.k_proj(xs).view(b * t, hkv, d)
             v = a.v_proj(xs).view(b * t, hkv, d)
-            if getattr(a, "q_norm", None) is not None:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q4, k4 = self.rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-            self.keys[i][write, :, at] = k4[0].transpose(0, 1)  # [N, Hkv, D] into [S, Hkv, C, D]
+            if self.qk_norms[i] is not None:
+                q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
+            q, k = self.rotate(q, k, cos, sin)  # [N, Hq, D], [N, Hkv, D]
+            self.keys[i][write, :, at] = k  # into [S, Hkv, C, D]
             self.values[i][write, :, at] = v
-            # [1, Hq, N, D] -> [B, Hkv, G*T, D]: the query heads of a key head, row by row
-            qb = q4[0].view(hkv, g, b, t, d).permute(2, 0, 1, 3, 4).reshape(b, hkv, g * t, d)
+            # [N, Hq, D] -> [B, Hkv, G*T, D]: the query heads of a key head, row by row
+            qb = q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
             if slots is None:  # [B, Hkv, n, D], in place
                 kb = self.keys[i].narrow(0, 0, b).narrow(2, 0, n)
                 vb = self.values[i].narrow(0, 0, b).narrow(2, 0, n)
@@ -187,8 +205,8 @@ class StaticForward:
             o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
             h = h + a.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.inner.norm(h)
+            h = h + layer.mlp(norm_post(h))
+        return self.final_norm(h)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] of final hidden states [M, H]."""

@@ -1,0 +1,95 @@
+"""Fewer kernels a layer for the cuda backend's step: the model's norms and rotary rule, fused
+where a sample proves the fused form computes what the model's own code does.
+
+A decode step at one row is a few milliseconds of weight reads spread over thousands of kernels;
+inside a CUDA graph each kernel still costs a launch and a minimum run of a couple of
+microseconds, so the elementwise chains of eager transformers code are most of what a graph
+cannot remove. Per layer, the model's RMSNorm is seven of them (cast, square, mean, rsqrt,
+multiply, cast, scale), run four times in Qwen3 (input, q heads, k heads, post-attention), and
+its rotary rule five for q and five for k. Here:
+
+- :func:`norm_of` gives ``torch.nn.functional.rms_norm`` with the module's weight and epsilon
+  (one fused kernel on a GPU) in place of a norm module, where it agrees with the module on a
+  random sample in the module's dtype; else the module itself.
+- :func:`rope_of` gives a rotary step that rotates q and k together (one concatenation, one
+  rotation) in place of the model's ``apply_rotary_pos_emb`` called on each, where the two
+  agree on a sample; else a step that calls the model's rule.
+
+The samples are the guard against a model whose norm or rule is of another form (a norm that
+scales by 1 + weight, an interleaved or partial rotation): it keeps its own code. Agreement is
+up to rounding: the fused norm rounds once where the module rounds after normalising and again
+after scaling, so in bf16 they may differ in the last bit; in float32 they agree to 1e-5.
+
+Letters: N new tokens, Hq / Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Rope = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]  # (q [N, Hq, D], k [N, Hkv, D], cos, sin [1, N, D]) -> rotated q, k, same shapes
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to the rounding of their dtype, relative to the larger of the two."""
+    tol = 1e-5 if a.dtype == torch.float32 else 1e-2
+    scale = max(float(a.float().abs().max()), float(b.float().abs().max()), 1e-6)
+    return float((a.float() - b.float()).abs().max()) <= tol * scale
+
+
+@torch.inference_mode()
+def norm_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s RMSNorm as one fused call, or ``module`` where the two differ (module
+    docstring)."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+        return module
+    shape = (weight.shape[0],)
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, shape, weight, eps)
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, shape[0], generator=gen).to(weight.device, weight.dtype)
+    return fused if _close(fused(x), module(x)) else module
+
+
+def _rotate_together(q, k, cos, sin):
+    hq = q.shape[1]
+    qk = torch.cat([q, k], 1)  # [N, Hq + Hkv, D]
+    c, s = cos[0][:, None], sin[0][:, None]  # [N, 1, D]
+    half = qk.shape[-1] // 2
+    turned = torch.cat([-qk[..., half:], qk[..., :half]], -1)
+    qk = qk * c + turned * s
+    return qk[:, :hq], qk[:, hq:]
+
+
+@torch.inference_mode()
+def rope_of(rule: Callable, rotary: nn.Module, dtype: torch.dtype, hq: int, hkv: int,
+            d: int) -> Rope:  # fmt: skip
+    """The rotary step for the model whose ``apply_rotary_pos_emb`` is ``rule`` and whose
+    rotary table is ``rotary``: q and k rotated together where that agrees with ``rule`` on a
+    sample of the table's own angles, else ``rule`` on each (module docstring)."""
+
+    def own(q, k, cos, sin):  # the model's rule, in its layout: [1, H, N, D]
+        q4, k4 = rule(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        return q4[0].transpose(0, 1), k4[0].transpose(0, 1)
+
+    device = next(iter(rotary.buffers())).device
+    gen = torch.Generator().manual_seed(1)
+    n = 5
+    q, k = (torch.randn(n, h, d, generator=gen).to(device, dtype) for h in (hq, hkv))
+    pos = torch.randint(0, 4096, (1, n), generator=gen).to(device)
+    cos, sin = rotary(q[None, :, 0], pos)  # [1, N, D'] in q's dtype
+    if cos.shape[-1] != d:  # a partial rotation: the model's rule knows which part
+        return own
+    a, b = _rotate_together(q, k, cos, sin), own(q, k, cos, sin)
+    same = all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return _rotate_together if same else own

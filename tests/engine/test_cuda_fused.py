@@ -1,0 +1,109 @@
+"""The cuda backend's fused norms and rotation (d3d.backends.cuda.fused): taken where they compute
+what the model's own code does, refused where a model's norm or rule is of another form, and a
+decode step that launches few operations a layer."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+from d3d.backends.cuda import CudaBackend
+from d3d.backends.cuda.forward import StepInputs
+from d3d.backends.cuda.fused import _rotate_together, norm_of, rope_of
+from d3d.backends.cuda.kv import MIN_CAPACITY
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_models_norms_and_rotation_are_fused_and_agree(kind, dtype):
+    model = tiny_model(kind, seed=4).to(dtype)
+    layer = model.model.layers[0]
+    norm = layer.input_layernorm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)  # not the ones it starts with
+    fused = norm_of(norm)
+    assert fused is not norm
+    x = torch.randn(3, model.config.hidden_size).to(dtype)
+    torch.testing.assert_close(fused(x), norm(x), **_tol(dtype))
+    a = layer.self_attn
+    hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
+    rope = rope_of(_rule(a), model.model.rotary_emb, dtype, hq, hkv, a.head_dim)
+    assert rope is _rotate_together
+    q, k = torch.randn(4, hq, a.head_dim).to(dtype), torch.randn(4, hkv, a.head_dim).to(dtype)
+    cos, sin = model.model.rotary_emb(q[None, :, 0], torch.tensor([[0, 7, 100, 3000]]))
+    want = _rule(a)(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    got = rope(q, k, cos, sin)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w[0].transpose(0, 1), rtol=0, atol=0)
+
+
+def test_a_norm_or_rule_of_another_form_keeps_the_models_own_code():
+    gemma = GemmaRMSNorm(32)  # scales by 1 + weight
+    assert norm_of(gemma) is gemma
+    model = tiny_model("qwen3", seed=5)
+    a = model.model.layers[0].self_attn
+
+    def interleaved(q, k, cos, sin):  # pairs (0, 1), (2, 3), ... rotated: not rotate_half's
+        def turn(x):
+            return torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
+
+        c, s = cos[:, None], sin[:, None]
+        return q * c + turn(q) * s, k * c + turn(k) * s
+
+    hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
+    rope = rope_of(interleaved, model.model.rotary_emb, torch.float32, hq, hkv, a.head_dim)
+    assert rope is not _rotate_together
+
+
+class _Ops(TorchDispatchMode):
+    """Operations that run a kernel (views are free), counted."""
+
+    FREE = frozenset({"view", "_unsafe_view", "transpose", "permute", "expand", "narrow", "slice",
+            "split", "split_with_sizes", "select", "unsqueeze", "squeeze", "t", "alias",
+            "as_strided", "unbind", "detach", "_reshape_alias"})  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in self.FREE:
+            self.count[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_a_step(layers: int) -> collections.Counter:
+    model = tiny_model("qwen3", seed=6, layers=layers)
+    t = CudaBackend(graphs=False, trust=True).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
+    x = StepInputs.empty(2, 1, torch.device("cpu"))
+    x.fill(torch.tensor([[1], [2]]), torch.tensor([3, 4]))
+    with _Ops() as ops:
+        t.step(x, 256)
+    return ops.count
+
+
+def test_a_decode_step_launches_few_operations_a_layer():
+    """Each layer of a Qwen3 step: 7 projections, 4 fused norms, a rotation of q and k
+    together, 2 KV writes, one attention call and its layout copies, the residual adds and the
+    MLP's activation: 27 here (58 before the fusing, most of them the norms' and rotation's
+    elementwise chains)."""
+    two, four = _ops_a_step(2), _ops_a_step(4)
+    per_layer = (four - two).total() / 2
+    assert per_layer <= 30, four - two
+    assert (four - two)["rms_norm"] == 2 * 4  # the norms fused, four a layer
+
+
+def _rule(attn):
+    import sys
+
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+def _tol(dtype):
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
