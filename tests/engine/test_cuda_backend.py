@@ -33,9 +33,14 @@ def test_slots_and_capacity_follow_the_budget_and_the_rows():
     assert static_shape(10**9, 4, 2048) == (4, 2048)  # never past the window
 
 
-def test_keys_attended_cover_the_longest_row_in_powers_of_two():
+def test_keys_attended_cover_the_longest_row_within_a_quarter():
     assert attended(1, 4096) == 256 and attended(257, 4096) == 512
-    assert attended(3000, 4096) == 4096 and attended(3000, 2048) == 2048
+    assert attended(1025, 8192) == 1280 and attended(700, 8192) == 768  # not 2,048 and 1,024
+    assert attended(3000, 4096) == 3072 and attended(3000, 2048) == 2048
+    shapes = {attended(n, 1 << 20) for n in range(4097, 8193)}
+    assert shapes == {5120, 6144, 7168, 8192}  # four a doubling
+    for n in range(1, 20000, 7):
+        assert n <= attended(n, 1 << 20) <= max(n + 255, 1.25 * n)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -17,8 +17,8 @@ the current values of both. The step, per layer::
 and the final norm; the LM head runs outside (:meth:`StaticForward.head`) on the positions that
 need logits only, so a graph's output is the hidden states [B*T, H], not [B*T, V].
 
-Attention reads the first n positions of the B slots in place (n: a power of two that covers
-the longest row, :func:`attended`), the G = Hq / Hkv query heads that share a key head stacked
+Attention reads the first n positions of the B slots in place (n covers the longest row, in
+a few graph shapes per doubling, :func:`attended`), the G = Hq / Hkv query heads that share a key head stacked
 as one matrix of G*T queries against it (each key is read once, no repeated KV), masked by each
 row's length: one ``scaled_dot_product_attention`` call per layer for the whole step.
 
@@ -46,7 +46,7 @@ from torch import nn
 from d3d.backends.cuda.fused import norm_of, rope_of
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
-MIN_ATTENDED = 256  # the fewest keys a step attends (n is a power of two from here up to C)
+MIN_ATTENDED = 256  # the fewest keys a step attends, and the finest step of n
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,16 @@ class StepInputs:
 
 
 def attended(longest: int, capacity: int) -> int:
-    """Keys a step attends: the power of two (at least :data:`MIN_ATTENDED`) that covers
-    ``longest`` (a row's length plus its new tokens), at most ``capacity``."""
-    n = MIN_ATTENDED
-    while n < longest:
-        n *= 2
-    return min(n, capacity)
+    """Keys a step attends: ``longest`` (a row's length plus its new tokens) rounded up to a
+    quarter of its octave, in steps of at least :data:`MIN_ATTENDED` (at most ``capacity``):
+    four graph shapes per doubling of the context, and at most a quarter (or 255) more keys read
+    than the longest row holds (a power of two read up to twice as many: 2,048 keys for a row of
+    1,025)."""
+    octave = MIN_ATTENDED
+    while octave < longest:
+        octave *= 2
+    step = max(MIN_ATTENDED, octave // 8)  # longest lies in (octave / 2, octave]
+    return min(max(-(-longest // step) * step, MIN_ATTENDED), capacity)
 
 
 def unfit(model: nn.Module) -> str:
