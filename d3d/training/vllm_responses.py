@@ -10,7 +10,10 @@ Records are written as each chunk of prompts (a few batches) finishes, so a kill
 it had and a rerun resumes (:func:`d3d.training.responses.generate_data` skips written ids);
 vLLM's engine starts with the first prompt left to answer, so a rerun with none starts nothing.
 The process holds the target once, in vLLM; this side reads only the tokenizer and the end ids
-(:func:`d3d.model.load.load_text`). Soft labels (``--keep-topk``) need the target's full
+(:func:`d3d.model.load.load_text`). On a CPU vLLM's engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless set): its own two processes would each import vLLM
+in turn before the first token (about 20 s of a 23 s start here, against 4 s in one) and then
+share the cores with this one; on a GPU it keeps its own process. Soft labels (``--keep-topk``) need the target's full
 distribution at every response position, which this path does not compute: they are refused
 here with a message (the own engine writes them).
 """
@@ -18,6 +21,7 @@ here with a message (the own engine writes them).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -28,6 +32,7 @@ from d3d.vllm.engine import engine_args, on_vllm_cores, prepare_env
 
 log = logging.getLogger(__name__)
 
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's switch: "0" runs its engine core here
 CHUNK_BATCHES = 4  # prompts handed to vLLM at once, in batches: records are written per chunk
 
 
@@ -55,8 +60,16 @@ class VllmResponder:
 
         prepare_env(self.cfg)
         log.info("vLLM engine arguments for data: %s", self.args)
-        with on_vllm_cores(self.cfg):
-            self.llm = LLM(**self.args)
+        one = not self.cfg.target_device.startswith("cuda")
+        before = os.environ.get(IN_PROCESS)
+        if one and before is None:
+            os.environ[IN_PROCESS] = "0"  # read as the engine starts (module docstring)
+        try:
+            with on_vllm_cores(self.cfg):
+                self.llm = LLM(**self.args)
+        finally:
+            if one and before is None:
+                os.environ.pop(IN_PROCESS, None)
 
     @property
     def tokenizer(self):

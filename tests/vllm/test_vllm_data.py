@@ -61,7 +61,9 @@ def test_vllm_writes_the_own_engines_records(tmp_path, capfd):
     common = ["data", "--prompts", str(prompts), "--max-new-tokens", str(NEW), "--quiet"]
     assert main([*common, "--out", str(tmp_path / "own.jsonl")]) == 0  # the own engine, here
     capfd.readouterr()
-    made = report(d3d(*common, "--out", str(tmp_path / "vllm.jsonl"), "--engine", "vllm"))
+    run = d3d(*common, "--out", str(tmp_path / "vllm.jsonl"), "--engine", "vllm")
+    made = report(run)
+    assert "(EngineCore pid=" not in run.stdout + run.stderr  # on a CPU: in the command's process
     assert made["written"] == len(PROMPTS) and made["tokens_per_second"] > 0
     own, fast = records(tmp_path / "own.jsonl"), records(tmp_path / "vllm.jsonl")
     assert own.keys() == fast.keys() and len(own) == len(PROMPTS)
