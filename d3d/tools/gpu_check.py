@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     big = device.type == "cuda" and not args.tiny
     target = st.build_model(config, device, dtype)
     res["target_margins"] = st.wide_margins(target)  # the replay's recording holds in bf16
+    CudaBackend().prepare(target)  # as Engine.from_config: q, k, v and gate, up laid out
     res["build_s"] = round(time.perf_counter() - t_start, 2)
     bandwidth = {}
 

@@ -5,15 +5,14 @@ kernels are measured) behind the library's :class:`~d3d.engine.Engine`, with its
 the engine's own way (:func:`~d3d.engine.build_drafter`: ``self:5``, the target's first five
 layers sharing their tensors; or ``replay:7.88``, the replay instrument the GPU check runs, whose
 ``ar`` stage records the outputs the other modes replay), and sends ``requests`` concurrent
-requests through the engine's one scheduler (``engine.scheduler(max_batch=requests)``), stepping
-``sched.step()`` until it is idle. The KV budget admits every row at once. Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts in its own stage:
+requests through the engine's one scheduler, stepping it until it is idle (the KV budget admits
+every row at once). Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts:
 
 - aggregate throughput (generated tokens over the stage's wall time, prompts included) and the
   decode-only rate (tokens over the steps that read no prompt), and the ratio to ``ar``;
 - steps, and per decode step its time and its verify forward's time (the scheduler's
-  ``last_verify_s``), with the forward's width (tokens per step), and the host-device waits
-  the engine's thread made in it (:mod:`d3d.tools.syncs`; the clock's own waits around the
-  step are not counted; other threads' waits, the drafter worker's, as totals);
+  ``last_verify_s``), with the forward's width, and the engine thread's host-device waits in it
+  (:mod:`d3d.tools.syncs`; not the clock's around it; the worker's as totals);
 - the requests' speculation figures (vLLM names: drafts, draft tokens, accepted tokens,
   acceptance length; the asynchronous pipeline's hits, misses and worker failures);
 - whether each request's tokens equal its ``ar`` tokens (greedy is lossless; in bf16 on a GPU a
@@ -118,6 +117,8 @@ def build_engine(model, name: str, s: ServiceSettings, backend: Backend | None =
     device = str(target.device)
     drafter_device = s.drafter_device or device
     check_device(drafter_device)
+    if backend is not None:  # as Engine.from_config: before a drafter shares the layers
+        backend.prepare(model)
     drafter = (
         build_drafter(s.drafter, target, drafter_device, share_layers=True)
         if s.needs_drafter

@@ -185,6 +185,7 @@ def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: in
     round through the cuda backend's packed drafter (:mod:`d3d.backends.cuda.drafter`:
     captured on a GPU, eager on a CPU) and, for comparison, the row-by-row forward."""
     device = drafter.device
+    CudaBackend().prepare_drafter(drafter.lm)  # its projections laid out, as the engine's are
     vocab = drafter.meta.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -245,6 +246,7 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
     """Greedy tokens of ``rows`` rows through captured steps against eager ones (module
     docstring); ``model`` in float32."""
     device = next(model.parameters()).device
+    CudaBackend().prepare(model)  # the projections laid out, as the engine's are
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (prompt + i,), generator=gen).tolist() for i in range(rows)]

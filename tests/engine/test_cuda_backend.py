@@ -44,9 +44,13 @@ def test_keys_attended_cover_the_longest_row_within_a_quarter():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_decode_steps_over_slots_give_the_reference_logits(kind):
+@pytest.mark.parametrize("laid_out", [False, True])  # the backend's prepare: one product for qkv
+def test_decode_steps_over_slots_give_the_reference_logits(kind, laid_out):
     model = tiny_model(kind, seed=1)
+    if laid_out:
+        CudaBackend(graphs=False).prepare(model)
     got = CudaBackend(graphs=False).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
+    assert all(x is not None for x in got.step.qkv) == laid_out
     want = ReferenceBackend().target(model, 8 * MIN_CAPACITY)
     assert isinstance(got, CudaTarget)
     rows = {id(t): [t.kv.open(200) for _ in range(3)] for t in (got, want)}
@@ -133,6 +137,7 @@ def prompts(n: int) -> list[list[int]]:
 @pytest.mark.parametrize("rows", [1, 6])
 def test_every_mode_through_the_cuda_step_equals_ar(kind, rows):
     model = tiny_model(kind, seed=1)
+    CudaBackend(graphs=False).prepare(model)  # as Engine.from_config does, before the drafter
     drafter = D3DDrafter.from_target(model, 1, base="tiny", block_size=6)
     engine = tiny_engine(model, drafter, backend=CudaBackend(graphs=False))
     try:

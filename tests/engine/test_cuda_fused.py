@@ -13,8 +13,9 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
 from d3d.backends.cuda import CudaBackend
 from d3d.backends.cuda.forward import StepInputs
-from d3d.backends.cuda.fused import _rotate_together, norm_of, rope_of
+from d3d.backends.cuda.fused import _rotate_together, fuse_projections, joined, norm_of, rope_of
 from d3d.backends.cuda.kv import MIN_CAPACITY
+from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 
 
@@ -60,6 +61,33 @@ def test_a_norm_or_rule_of_another_form_keeps_the_models_own_code():
     assert rope is not _rotate_together
 
 
+def _storages(model) -> dict[int, int]:
+    return {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()
+    }
+
+
+def test_projections_laid_out_in_one_storage_cost_no_memory_and_keep_every_value():
+    model = tiny_model("qwen3", seed=7, layers=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bytes_before = sum(_storages(model).values())
+    assert fuse_projections(model) == 6  # q, k, v and gate, up in each of 3 layers
+    assert sum(_storages(model).values()) == bytes_before  # the old tensors are gone
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    a = model.model.layers[1].self_attn
+    qkv = joined(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+    want = [before[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"]
+    assert qkv is not None and torch.equal(qkv, torch.cat(want))
+    assert fuse_projections(model) == 0  # already laid out
+    # a drafter sharing the layers, built after, shares the layout: no second copy
+    drafter = D3DDrafter.from_target(model, 2, base="tiny", block_size=6, share=True)
+    assert _storages(drafter.lm).keys() <= _storages(model).keys()
+    d = drafter.lm.model.layers[0].self_attn
+    assert joined(d.q_proj.weight, d.k_proj.weight, d.v_proj.weight) is not None
+    assert joined(a.q_proj.weight, a.v_proj.weight) is None  # not one after another
+
+
 class _Ops(TorchDispatchMode):
     """Operations that run a kernel (views are free), counted."""
 
@@ -80,6 +108,7 @@ class _Ops(TorchDispatchMode):
 
 def _ops_a_step(layers: int) -> collections.Counter:
     model = tiny_model("qwen3", seed=6, layers=layers)
+    CudaBackend(graphs=False).prepare(model)  # the projections laid out for one product each
     t = CudaBackend(graphs=False, trust=True).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
     x = StepInputs.empty(2, 1, torch.device("cpu"))
     x.fill(torch.tensor([[1], [2]]), torch.tensor([3, 4]))
@@ -89,14 +118,15 @@ def _ops_a_step(layers: int) -> collections.Counter:
 
 
 def test_a_decode_step_launches_few_operations_a_layer():
-    """Each layer of a Qwen3 step: 7 projections, 4 fused norms, a rotation of q and k
-    together, 2 KV writes, one attention call and its layout copies, the residual adds and the
-    MLP's activation: 27 here (58 before the fusing, most of them the norms' and rotation's
-    elementwise chains)."""
+    """Each layer of a Qwen3 step: 4 products (q, k and v in one, o, gate and up in one,
+    down), 4 fused norms, a rotation of q and k together, 2 KV writes, one attention call and
+    its layout copies, the residual adds and the MLP's activation: 24 here (58 before the
+    fusing, most of them the norms' and rotation's elementwise chains)."""
     two, four = _ops_a_step(2), _ops_a_step(4)
     per_layer = (four - two).total() / 2
-    assert per_layer <= 30, four - two
+    assert per_layer <= 26, four - two
     assert (four - two)["rms_norm"] == 2 * 4  # the norms fused, four a layer
+    assert (four - two)["linear"] == 2 * 4  # the projections in four products a layer
 
 
 def _rule(attn):

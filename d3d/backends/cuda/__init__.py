@@ -28,6 +28,7 @@ from d3d.backends import check
 from d3d.backends.clock import WALL, Clock
 from d3d.backends.cuda.drafter import PackedPlan, mark
 from d3d.backends.cuda.forward import unfit
+from d3d.backends.cuda.fused import fuse_projections
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.backends.cuda.target import BUCKETS, CudaTarget
 from d3d.backends.reference import ReferenceBackend
@@ -51,11 +52,15 @@ class CudaBackend(ReferenceBackend):
         self.graphs, self.trust = graphs, trust
 
     def prepare(self, model: nn.Module) -> None:
-        """Nothing in place: the graphs are captured by each step target, on first use."""
+        """Lay the projections out for one product each (:func:`~d3d.backends.cuda.fused.
+        fuse_projections`: before a drafter shares the layers, so it shares the layout); the
+        graphs are captured by each step target, on first use."""
         why = unfit(model)
         if why:
             log.warning("the cuda backend cannot run %s (%s): the reference runs it",
                         type(model).__name__, why)  # fmt: skip
+            return
+        fuse_projections(model)
 
     def prepare_drafter(self, model: nn.Module) -> None:
         """Have the drafter worker draft through this backend's packed step
@@ -65,6 +70,7 @@ class CudaBackend(ReferenceBackend):
             log.warning("the cuda backend cannot run the drafter %s (%s): it drafts row by row",
                         type(model).__name__, why)  # fmt: skip
             return
+        fuse_projections(model)  # a drafter sharing the target's layers shares their layout
         mark(model, PackedPlan(graphs=self.graphs))
 
     def target(

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.backends.cuda.fused import norm_of, rope_of
+from d3d.backends.cuda.fused import joined, mlp_of, norm_of, rope_of
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
 MIN_ATTENDED = 256  # the fewest keys a step attends, and the finest step of n
@@ -144,6 +144,14 @@ class StaticForward:
             for x in self.layers
         ]
         self.final_norm = norm_of(inner.norm)
+        # one product for q, k, v and one for gate, up where fuse_projections laid them out
+        self.qkv = [
+            joined(x.self_attn.q_proj.weight, x.self_attn.k_proj.weight, x.self_attn.v_proj.weight)
+            if all(getattr(x.self_attn, n).bias is None for n in ("q_proj", "k_proj", "v_proj"))
+            else None
+            for x in self.layers
+        ]
+        self.mlps = [mlp_of(x) for x in self.layers]
         dtype = next(model.parameters()).dtype
         self.rotate = rope_of(self.rope, inner.rotary_emb, dtype, self.hq, self.hkv, self.d)
 
@@ -190,9 +198,11 @@ class StaticForward:
             a = layer.self_attn
             norm_in, norm_post = self.norms[i]
             xs = norm_in(h)
-            q = a.q_proj(xs).view(b * t, hq, d)
-            k = a.k_proj(xs).view(b * t, hkv, d)
-            v = a.v_proj(xs).view(b * t, hkv, d)
+            if self.qkv[i] is not None:
+                q, k, v = F.linear(xs, self.qkv[i]).split([hq * d, hkv * d, hkv * d], -1)
+            else:
+                q, k, v = a.q_proj(xs), a.k_proj(xs), a.v_proj(xs)
+            q, k, v = q.view(b * t, hq, d), k.view(b * t, hkv, d), v.view(b * t, hkv, d)
             if self.qk_norms[i] is not None:
                 q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
             q, k = self.rotate(q, k, cos, sin)  # [N, Hq, D], [N, Hkv, D]
@@ -209,7 +219,7 @@ class StaticForward:
             o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
             h = h + a.o_proj(o)
-            h = h + layer.mlp(norm_post(h))
+            h = h + self.mlps[i](norm_post(h))
         return self.final_norm(h)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

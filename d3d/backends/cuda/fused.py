@@ -14,6 +14,12 @@ its rotary rule five for q and five for k. Here:
 - :func:`rope_of` gives a rotary step that rotates q and k together (one concatenation, one
   rotation) in place of the model's ``apply_rotary_pos_emb`` called on each, where the two
   agree on a sample; else a step that calls the model's rule.
+- :func:`fuse_projections` (the backend's ``prepare``, before anything else holds the weights)
+  lays each layer's q, k and v weights one after another in one storage, and its MLP's gate and
+  up, the modules keeping views of it (no new memory once the old tensors are freed; a drafter
+  sharing the layers then shares the views). :func:`joined` finds such a layout, so the step
+  runs one matrix product for q, k and v and one for gate and up: larger products read the
+  weights closer to the memory's rate at one row than three or two small ones.
 
 The samples are the guard against a model whose norm or rule is of another form (a norm that
 scales by 1 + weight, an interleaved or partial rotation): it keeps its own code. Agreement is
@@ -93,3 +99,76 @@ def rope_of(rule: Callable, rotary: nn.Module, dtype: torch.dtype, hq: int, hkv:
     a, b = _rotate_together(q, k, cos, sin), own(q, k, cos, sin)
     same = all(_close(x, y) for x, y in zip(a, b, strict=True))
     return _rotate_together if same else own
+
+
+def joined(*weights: torch.Tensor) -> torch.Tensor | None:
+    """``weights`` as one [rows, cols] matrix, where they lie one after another in one storage
+    (as :func:`fuse_projections` leaves them); None otherwise."""
+    first = weights[0]
+    if any(
+        w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype
+        or not w.is_contiguous()
+        or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        for w in weights
+    ):  # fmt: skip
+        return None
+    at = first.storage_offset()
+    for w in weights:
+        if w.storage_offset() != at:
+            return None
+        at += w.numel()
+    rows = sum(w.shape[0] for w in weights)
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1), first.storage_offset())
+
+
+def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
+    a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    out = []
+    for owner, names in ((a, ("q_proj", "k_proj", "v_proj")), (m, ("gate_proj", "up_proj"))):
+        mods = tuple(getattr(owner, n, None) for n in names)
+        if all(isinstance(x, nn.Linear) and x.bias is None for x in mods):
+            out.append(mods)
+    return out
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> int:
+    """Lay each decoder layer's bias-free q, k, v weights, and its MLP's gate and up, one after
+    another in one storage, the modules keeping views (module docstring). Returns the groups
+    laid out now (a group already laid out is left as it is)."""
+    done = 0
+    for layer in model.model.layers:
+        for mods in _groups(layer):
+            if joined(*(x.weight for x in mods)) is not None:
+                continue
+            whole = torch.cat([x.weight for x in mods])
+            start = 0
+            for x in mods:
+                rows = x.weight.shape[0]
+                x.weight = nn.Parameter(whole[start : start + rows], requires_grad=False)
+                start += rows
+            done += 1
+    return done
+
+
+@torch.inference_mode()
+def mlp_of(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's MLP as one product for gate and up, where its weights are :func:`joined`
+    and that agrees with the module on a sample (an MLP of another form keeps its own code)."""
+    mlp = layer.mlp
+    gate_up = None
+    for mods in _groups(layer):
+        if mods[0] is getattr(mlp, "gate_proj", None):
+            gate_up = joined(*(x.weight for x in mods))
+    act, down = getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None)
+    if gate_up is None or act is None or down is None:
+        return mlp
+    inner = mlp.gate_proj.weight.shape[0]
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, gate_up).split(inner, -1)
+        return down(act(g) * u)
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, gate_up.shape[1], generator=gen).to(gate_up.device, gate_up.dtype)
+    return fused if _close(fused(x), mlp(x)) else mlp
