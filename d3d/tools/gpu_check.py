@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     target = st.build_model(config, device, dtype)
     res["target_margins"] = st.wide_margins(target)  # the replay's recording holds in bf16
     CudaBackend().prepare(target)  # as Engine.from_config: q, k, v and gate, up laid out
+    if device.type == "cuda":  # the memory stage measures serving, not the load's transients
+        torch.cuda.reset_peak_memory_stats(device)
     res["build_s"] = round(time.perf_counter() - t_start, 2)
     bandwidth = {}
 
