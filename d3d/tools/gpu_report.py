@@ -31,6 +31,11 @@ def table(res: dict) -> str:
         lines.append(
             f"| 16-token verify / decode step | {dec['1']['verify16_over_step']}x | | <= 1.2x |"
         )
+    if "unfused_step_ms" in dec.get("1", {}):
+        lines.append(
+            f"| decode step, 1 row, the model's own forms (no fused norms, rotation, products) | "
+            f"{dec['1']['unfused_step_ms']} ms | {dec['1']['unfused_over_fused']}x the fused | |"
+        )
     for name, row in (res.get("drafters") or {}).items():
         if not isinstance(row, dict):  # {"skipped": ...}
             continue

@@ -41,7 +41,7 @@ from d3d.backends import choose
 from d3d.backends.clock import Clock
 from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
-from d3d.backends.cuda.kv import MIN_CAPACITY
+from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.backends.hf import trim_cache
 from d3d.backends.reference import ReferenceBackend
 from d3d.backends.sizes import kv_bytes_per_token
@@ -153,6 +153,15 @@ def decode_steps(
         for row in opened:
             target.kv.close(row)
     one = out["rows"].get("1")
+    if one and isinstance(target, CudaTarget):  # what the fused forms buy (d3d.backends.cuda.fused)
+        plain = CudaTarget(model, StaticKV.shaped(model, budget // most, 1), block=BLOCK,
+                           graphs=graphs, fused=False)  # fmt: skip
+        row = plain.kv.open(context + BLOCK)
+        plain.kv.ensure(row, context)
+        plain.kv.commit(row, context)
+        one["unfused_step_ms"] = median_ms(lambda: plain.forward([row], [[1]]), device, repeats)
+        one["unfused_over_fused"] = round(one["unfused_step_ms"] / one["step_ms"], 3)
+        del plain
     for r in rows:
         if one and r != 1:
             out["rows"][str(r)]["step_over_one_row"] = round(

@@ -11,10 +11,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
-from d3d.backends.cuda import CudaBackend
+from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.forward import StepInputs
 from d3d.backends.cuda.fused import _rotate_together, fuse_projections, joined, norm_of, rope_of
-from d3d.backends.cuda.kv import MIN_CAPACITY
+from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 
@@ -86,6 +86,28 @@ def test_projections_laid_out_in_one_storage_cost_no_memory_and_keep_every_value
     d = drafter.lm.model.layers[0].self_attn
     assert joined(d.q_proj.weight, d.k_proj.weight, d.v_proj.weight) is not None
     assert joined(a.q_proj.weight, a.v_proj.weight) is None  # not one after another
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_the_fused_step_gives_the_model_own_forms_logits(kind):
+    """The GPU check times the step with the model's own forms beside the fused one: both
+    compute the same logits."""
+    model = tiny_model(kind, seed=8)
+    CudaBackend(graphs=False).prepare(model)
+    kv = [StaticKV.shaped(model, 4 * MIN_CAPACITY, 2) for _ in "ab"]
+    fused = CudaTarget(model, kv[0], block=6, graphs=False)
+    own = CudaTarget(model, kv[1], block=6, graphs=False, fused=False)
+    assert fused.step.qkv[0] is not None and own.step.qkv[0] is None
+    rows = {id(t): [t.kv.open(100) for _ in range(2)] for t in (fused, own)}
+    for widths in ((5, 9), (1, 1), (6, 6)):
+        ids = [list(range(3, 3 + w)) for w in widths]
+        a, b = (t.forward(rows[id(t)], ids) for t in (fused, own))
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        for t in (fused, own):
+            for row, w in zip(rows[id(t)], widths, strict=True):
+                t.kv.commit(row, w)
+    assert fused.counts["decode"] == own.counts["decode"] == 2
 
 
 class _Ops(TorchDispatchMode):

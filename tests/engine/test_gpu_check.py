@@ -45,6 +45,7 @@ def test_script_tiny_runs_every_stage(tmp_path):
 
     dec = res["decode"]
     assert dec["backend"] == "CudaTarget"  # the cuda backend's step code, eager on the CPU
+    assert dec["rows"]["1"]["unfused_step_ms"] > 0  # the model's own forms, beside the fused
     assert set(dec["rows"]) == {"1", "16", "64"} and dec["counts"]["eager"] == 0
     for r, row in dec["rows"].items():
         assert row["step_ms"] > 0 and row["verify16_ms"] > 0 and row["step_floor_ms"] > 0

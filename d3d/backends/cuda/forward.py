@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.backends.cuda.fused import joined, mlp_of, norm_of, rope_of
+from d3d.backends.cuda.fused import joined, mlp_of, norm_of, own_rope, rope_of
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
 MIN_ATTENDED = 256  # the fewest keys a step attends, and the finest step of n
@@ -120,7 +120,15 @@ def _rope_rule(attn: nn.Module) -> Callable | None:
 class StaticForward:
     """A decode step of ``model`` over the slot KV ``keys`` / ``values`` (module docstring)."""
 
-    def __init__(self, model: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    def __init__(
+        self,
+        model: nn.Module,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        fused: bool = True,
+    ):
+        """``fused`` False: the model's own norms, rule, projections and MLP throughout (what the
+        fused forms are measured against)."""
         inner = model.model
         self.inner = inner
         self.layers = list(inner.layers)
@@ -134,26 +142,32 @@ class StaticForward:
         self.rope = _rope_rule(a)
         self.keys, self.values = keys, values  # per layer: [S, Hkv, C, D]
         # the model's norms and rotary rule, fused where a sample agrees (d3d.backends.cuda.fused)
+        norm = norm_of if fused else (lambda m: m)
         self.norms = [
-            (norm_of(x.input_layernorm), norm_of(x.post_attention_layernorm)) for x in self.layers
+            (norm(x.input_layernorm), norm(x.post_attention_layernorm)) for x in self.layers
         ]
         self.qk_norms = [
-            (norm_of(x.self_attn.q_norm), norm_of(x.self_attn.k_norm))
+            (norm(x.self_attn.q_norm), norm(x.self_attn.k_norm))
             if getattr(x.self_attn, "q_norm", None) is not None
             else None
             for x in self.layers
         ]
-        self.final_norm = norm_of(inner.norm)
+        self.final_norm = norm(inner.norm)
         # one product for q, k, v and one for gate, up where fuse_projections laid them out
         self.qkv = [
             joined(x.self_attn.q_proj.weight, x.self_attn.k_proj.weight, x.self_attn.v_proj.weight)
-            if all(getattr(x.self_attn, n).bias is None for n in ("q_proj", "k_proj", "v_proj"))
+            if fused
+            and all(getattr(x.self_attn, n).bias is None for n in ("q_proj", "k_proj", "v_proj"))
             else None
             for x in self.layers
         ]
-        self.mlps = [mlp_of(x) for x in self.layers]
+        self.mlps = [mlp_of(x) if fused else x.mlp for x in self.layers]
         dtype = next(model.parameters()).dtype
-        self.rotate = rope_of(self.rope, inner.rotary_emb, dtype, self.hq, self.hkv, self.d)
+        self.rotate = (
+            rope_of(self.rope, inner.rotary_emb, dtype, self.hq, self.hkv, self.d)
+            if fused
+            else own_rope(self.rope)
+        )
 
     @torch.inference_mode()
     def __call__(self, x: StepInputs, n: int) -> torch.Tensor:

@@ -77,6 +77,16 @@ def _rotate_together(q, k, cos, sin):
     return qk[:, :hq], qk[:, hq:]
 
 
+def own_rope(rule: Callable) -> Rope:
+    """The model's ``apply_rotary_pos_emb`` as a rotary step (in its layout, [1, H, N, D])."""
+
+    def own(q, k, cos, sin):
+        q4, k4 = rule(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        return q4[0].transpose(0, 1), k4[0].transpose(0, 1)
+
+    return own
+
+
 @torch.inference_mode()
 def rope_of(rule: Callable, rotary: nn.Module, dtype: torch.dtype, hq: int, hkv: int,
             d: int) -> Rope:  # fmt: skip
@@ -84,10 +94,7 @@ def rope_of(rule: Callable, rotary: nn.Module, dtype: torch.dtype, hq: int, hkv:
     rotary table is ``rotary``: q and k rotated together where that agrees with ``rule`` on a
     sample of the table's own angles, else ``rule`` on each (module docstring)."""
 
-    def own(q, k, cos, sin):  # the model's rule, in its layout: [1, H, N, D]
-        q4, k4 = rule(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-        return q4[0].transpose(0, 1), k4[0].transpose(0, 1)
-
+    own = own_rope(rule)
     device = next(iter(rotary.buffers())).device
     gen = torch.Generator().manual_seed(1)
     n = 5
