@@ -17,17 +17,18 @@ the current values of both. The step, per layer::
 and the final norm; the LM head runs outside (:meth:`StaticForward.head`) on the positions that
 need logits only, so a graph's output is the hidden states [B*T, H], not [B*T, V].
 
-Attention reads the first n positions of the B slots in place (n covers the longest row, in
-a few graph shapes per doubling, :func:`attended`), the G = Hq / Hkv query heads that share a key head stacked
-as one matrix of G*T queries against it (each key is read once, no repeated KV), masked by each
-row's length: one ``scaled_dot_product_attention`` call per layer for the whole step.
+Attention reads the first n positions of the B slots in place (n covers the longest row, in a
+few graph shapes per doubling, :func:`attended`), the G = Hq / Hkv query heads that share a key
+head stacked as one matrix of G*T queries against it (each key is read once, no repeated KV),
+masked by each row's length: one ``scaled_dot_product_attention`` call per layer for the whole
+step.
 
-The modules' own code runs the projections, the MLP and the rotary table (``nn.Linear`` and
-MLP modules, its ``rotary_emb``); the norms and the rotation are the model's own or, where a
-sample proves them equal, fused forms of them with fewer kernels (:mod:`d3d.backends.cuda.fused`:
-torch's one-kernel ``rms_norm``, q and k rotated together), so the numbers are the model's own
-up to rounding; only the attention and the KV writes are this module's. :func:`unfit` says why
-a model cannot run it.
+The model's own weights and modules compute everything else, in the model's forms or, where a
+sample at load proves them equal, fused forms with fewer kernels (:mod:`d3d.backends.cuda.fused`:
+torch's one-kernel ``rms_norm``, q and k rotated together, one product for q, k, v and one for
+gate, up where the backend's ``prepare`` laid their weights out in one storage); ``fused=False``
+keeps the model's forms throughout. The numbers are the model's own up to rounding; only the
+attention and the KV writes are this module's. :func:`unfit` says why a model cannot run it.
 
 Letters: B rows (slots), T new tokens a row, N = B*T, S slots, C a slot's capacity, n keys
 attended, H hidden, Hq / Hkv heads, G = Hq / Hkv, D head dim, M kept positions, V vocab.
