@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -282,23 +282,8 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
 def in_two_threads(calls: Sequence[Callable[[], list]]) -> list[list]:
     """Each call's result, the calls run at once in threads of their own (an error in one is
     raised here)."""
-    results: list = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = calls[i]()
-        except Exception as exc:  # re-raised in the caller's thread
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-    return results
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
 def memory_against_plan(config: dict, device: torch.device, dtype: torch.dtype, rows: int,

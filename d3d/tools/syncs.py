@@ -26,7 +26,7 @@ MARK = "synchroniz"  # in every warning torch's sync debug mode gives
 
 class SyncCounter:
     """``with SyncCounter() as c: ...`` then ``c.by_thread`` (thread name -> syncs) and
-    :meth:`take` (the count so far for one thread, reset)."""
+    :meth:`take` (the calling thread's count so far, reset)."""
 
     def __init__(self):
         self.by_thread: Counter[str] = Counter()
@@ -58,8 +58,7 @@ class SyncCounter:
         torch.cuda.set_sync_debug_mode("default")
         self._catch.__exit__(*exc)  # the warnings hook and filters as they were
 
-    def take(self, thread: str | None = None) -> int:
-        """Syncs made by ``thread`` (default: the calling thread) since the last take."""
-        name = thread or threading.current_thread().name
+    def take(self) -> int:
+        """Syncs made by the calling thread since its last take."""
         with self._lock:
-            return self.by_thread.pop(name, 0)
+            return self.by_thread.pop(threading.current_thread().name, 0)

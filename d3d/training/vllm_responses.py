@@ -13,9 +13,9 @@ The process holds the target once, in vLLM; this side reads only the tokenizer a
 (:func:`d3d.model.load.load_text`). On a CPU vLLM's engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless set): its own two processes would each import vLLM
 in turn before the first token (about 20 s of a 23 s start here, against 4 s in one) and then
-share the cores with this one; on a GPU it keeps its own process. Soft labels (``--keep-topk``) need the target's full
-distribution at every response position, which this path does not compute: they are refused
-here with a message (the own engine writes them).
+share the cores with this one; on a GPU it keeps its own process. Soft labels (``--keep-topk``)
+need the target's full distribution at every response position, which this path does not
+compute: they are refused here with a message (the own engine writes them).
 """
 
 from __future__ import annotations
@@ -60,16 +60,16 @@ class VllmResponder:
 
         prepare_env(self.cfg)
         log.info("vLLM engine arguments for data: %s", self.args)
-        one = not self.cfg.target_device.startswith("cuda")
-        before = os.environ.get(IN_PROCESS)
-        if one and before is None:
-            os.environ[IN_PROCESS] = "0"  # read as the engine starts (module docstring)
+        # read as the engine starts (module docstring); a value the user set is theirs
+        here = not self.cfg.target_device.startswith("cuda") and IN_PROCESS not in os.environ
+        if here:
+            os.environ[IN_PROCESS] = "0"
         try:
             with on_vllm_cores(self.cfg):
                 self.llm = LLM(**self.args)
         finally:
-            if one and before is None:
-                os.environ.pop(IN_PROCESS, None)
+            if here:
+                del os.environ[IN_PROCESS]
 
     @property
     def tokenizer(self):

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.backends.cuda.fused import joined, mlp_of, norm_of, own_rope, rope_of
+from d3d.backends.cuda.fused import laid_out, mlp_of, norm_of, own_rope, rope_of
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
 MIN_ATTENDED = 256  # the fewest keys a step attends, and the finest step of n
@@ -155,13 +155,7 @@ class StaticForward:
         ]
         self.final_norm = norm(inner.norm)
         # one product for q, k, v and one for gate, up where fuse_projections laid them out
-        self.qkv = [
-            joined(x.self_attn.q_proj.weight, x.self_attn.k_proj.weight, x.self_attn.v_proj.weight)
-            if fused
-            and all(getattr(x.self_attn, n).bias is None for n in ("q_proj", "k_proj", "v_proj"))
-            else None
-            for x in self.layers
-        ]
+        self.qkv = [laid_out(x, x.self_attn.q_proj) if fused else None for x in self.layers]
         self.mlps = [mlp_of(x) if fused else x.mlp for x in self.layers]
         dtype = next(model.parameters()).dtype
         self.rotate = (

@@ -158,15 +158,21 @@ def fuse_projections(model: nn.Module) -> int:
     return done
 
 
+def laid_out(layer: nn.Module, first: nn.Module | None) -> torch.Tensor | None:
+    """The weights of ``layer``'s bias-free group that begins with ``first`` (its ``q_proj`` or
+    its MLP's ``gate_proj``) as one matrix, where :func:`fuse_projections` laid them out."""
+    for mods in _groups(layer):
+        if first is not None and mods[0] is first:
+            return joined(*(x.weight for x in mods))
+    return None
+
+
 @torch.inference_mode()
 def mlp_of(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's MLP as one product for gate and up, where its weights are :func:`joined`
+    """The layer's MLP as one product for gate and up, where its weights are :func:`laid_out`
     and that agrees with the module on a sample (an MLP of another form keeps its own code)."""
     mlp = layer.mlp
-    gate_up = None
-    for mods in _groups(layer):
-        if mods[0] is getattr(mlp, "gate_proj", None):
-            gate_up = joined(*(x.weight for x in mods))
+    gate_up = laid_out(layer, getattr(mlp, "gate_proj", None))
     act, down = getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None)
     if gate_up is None or act is None or down is None:
         return mlp
