@@ -19,7 +19,9 @@ its rotary rule five for q and five for k. Here:
   up, the modules keeping views of it (no new memory once the old tensors are freed; a drafter
   sharing the layers then shares the views). :func:`joined` finds such a layout, so the step
   runs one matrix product for q, k and v and one for gate and up: larger products read the
-  weights closer to the memory's rate at one row than three or two small ones.
+  weights closer to the memory's rate at one row than three or two small ones. A group with a
+  hook on one of its modules (a drafter's gated adapters, :mod:`d3d.model.adapters`) keeps its
+  module calls: one product would skip the hook.
 
 The samples are the guard against a model whose norm or rule is of another form (a norm that
 scales by 1 + weight, an interleaved or partial rotation): it keeps its own code. Agreement is
@@ -138,6 +140,12 @@ def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
     return out
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its weight: a forward hook or pre-hook (a
+    drafter's gated adapters are hooks on these projections, d3d.model.adapters)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
     """Lay each decoder layer's bias-free q, k, v weights, and its MLP's gate and up, one after
@@ -160,9 +168,10 @@ def fuse_projections(model: nn.Module) -> int:
 
 def laid_out(layer: nn.Module, first: nn.Module | None) -> torch.Tensor | None:
     """The weights of ``layer``'s bias-free group that begins with ``first`` (its ``q_proj`` or
-    its MLP's ``gate_proj``) as one matrix, where :func:`fuse_projections` laid them out."""
+    its MLP's ``gate_proj``) as one matrix, where :func:`fuse_projections` laid them out and no
+    module of the group has a hook (one product would skip it: a drafter's adapters)."""
     for mods in _groups(layer):
-        if first is not None and mods[0] is first:
+        if first is not None and mods[0] is first and not any(_hooked(x) for x in mods):
             return joined(*(x.weight for x in mods))
     return None
 
