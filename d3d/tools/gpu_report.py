@@ -36,6 +36,19 @@ def table(res: dict) -> str:
             f"| decode step, 1 row, the model's own forms (no fused norms, rotation, products) | "
             f"{dec['1']['unfused_step_ms']} ms | {dec['1']['unfused_over_fused']}x the fused | |"
         )
+    if "torch_forms_step_ms" in dec.get("1", {}):
+        k = (res.get("decode") or {}).get("kernels") or {}
+        taken = (
+            f"taken: add_norm {k.get('add_norm')}, qk_in {k.get('qk_in')} and silu_mul "
+            f"{k.get('silu_mul')} of {k.get('layers')} layers"
+            if k.get("module")
+            else "no kernel taken"
+        )
+        lines.append(
+            f"| decode step, 1 row, fused torch forms without the Triton kernels | "
+            f"{dec['1']['torch_forms_step_ms']} ms | {dec['1']['torch_forms_over_kernels']}x "
+            f"with them ({taken}) | |"
+        )
     for name, row in (res.get("drafters") or {}).items():
         if not isinstance(row, dict):  # {"skipped": ...}
             continue
@@ -55,6 +68,11 @@ def table(res: dict) -> str:
         lines.append(
             f"| captured in two threads at once = eager | {pair} of {ex['rows']} rows | "
             f"{ex['against']} | 16 of 16 each |"
+        )
+    if "torch_forms_rows_equal" in ex:
+        lines.append(
+            f"| captured through the Triton kernels = through the torch forms, fp32 | "
+            f"{ex['torch_forms_rows_equal']} of {ex['rows']} rows | | |"
         )
     for key in sorted(k for k in res if k.startswith("replay_")):
         modes = (res[key] or {}).get("modes") or {}

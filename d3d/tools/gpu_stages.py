@@ -7,7 +7,8 @@
   rows after a cached context, a plain step (1 token a row) and a 16-token verify step, each
   against its bandwidth floor (weights a step reads + the rows' keys and values, over the copy
   rate). Rows are given their context by length alone (what the KV holds does not change the
-  time).
+  time). At one row it also times the step with the model's own forms and with the fused torch
+  forms but no Triton kernel (:mod:`d3d.backends.cuda.kernels`), so a run says what each buys.
 - :func:`drafter_rounds`: a drafter's block (16 tokens after a cached context) and its packed
   round of 8 branches (the chain of the draft being verified plus one block per branch, one
   forward through the cuda backend's packed drafter, :mod:`d3d.backends.cuda.drafter`, captured
@@ -17,7 +18,8 @@
 - :func:`captured_equals_eager`: greedy decoding of rows through captured steps against the
   same steps run eagerly (on a CPU: the eager cuda step against the reference backend), token
   for token; and again with two targets capturing and decoding in two threads at once, as the
-  engine's target and a drafter worker's thread do in one process.
+  engine's target and a drafter worker's thread do in one process; and the captured steps
+  without the Triton kernels against those with them.
 - :func:`memory_against_plan`: the device's peak allocation against ``d3d plan``'s count.
 
 Timings are medians over repeats, the device synchronised around each call (a step's time is
@@ -162,15 +164,37 @@ def decode_steps(
         one["unfused_step_ms"] = median_ms(lambda: plain.forward([row], [[1]]), device, repeats)
         one["unfused_over_fused"] = round(one["unfused_step_ms"] / one["step_ms"], 3)
         del plain
+        # what the Triton kernels buy (d3d.backends.cuda.kernels): the fused torch forms alone
+        torch_forms = CudaTarget(model, StaticKV.shaped(model, budget // most, 1), block=BLOCK,
+                                 graphs=graphs, kernels=False)  # fmt: skip
+        row = torch_forms.kv.open(context + BLOCK)
+        torch_forms.kv.ensure(row, context)
+        torch_forms.kv.commit(row, context)
+        one["torch_forms_step_ms"] = median_ms(
+            lambda: torch_forms.forward([row], [[1]]), device, repeats
+        )
+        one["torch_forms_over_kernels"] = round(one["torch_forms_step_ms"] / one["step_ms"], 3)
+        del torch_forms
     for r in rows:
         if one and r != 1:
             out["rows"][str(r)]["step_over_one_row"] = round(
                 out["rows"][str(r)]["step_ms"] / one["step_ms"], 3
             )
     out["counts"] = dict(target.counts) if isinstance(target, CudaTarget) else {}
+    out["kernels"] = kernels_taken(getattr(target, "step", None))
     out["read_bytes"] = weights
     out["kv_bytes_per_token"] = per_token
     return out
+
+
+def kernels_taken(step) -> dict:
+    """Which Triton kernels a :class:`~d3d.backends.cuda.forward.StaticForward` took (their
+    samples agreed), layers of each."""
+    k = getattr(step, "kernels", None)
+    if k is None or k.module is None:
+        return {"module": False}
+    return {"module": True, "add_norm": k.add_norm, "qk_in": sum(k.qk_in),
+            "silu_mul": sum(k.silu_mul), "layers": len(k.qk_in)}  # fmt: skip
 
 
 def d3d_1_7b_drafter(config: dict, device: torch.device, dtype: torch.dtype) -> D3DDrafter:
@@ -228,6 +252,7 @@ def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: in
         f"row_by_row_{branches}_branches_ms": median_ms(row_by_row, device, repeats),
         "weight_bytes": param_bytes(drafter),
         "packed_steps": dict(packed.counts),
+        "kernels": kernels_taken(packed.step.core),
     }
     packed.close(row)
     return out
@@ -266,6 +291,11 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
         model, budget, rows=rows, block=BLOCK
     )
     a, b = greedy(fast, prompts, steps), greedy(slow, prompts, steps)
+    # the same captured steps through the torch forms alone, no Triton kernel
+    forms = CudaTarget(model, StaticKV.shaped(model, budget, rows), block=BLOCK, graphs=on_gpu,
+                       kernels=False)  # fmt: skip
+    c = greedy(forms, prompts, steps)
+    del forms
     pair = [choose("cuda", device).target(model, budget, rows=rows, block=BLOCK) for _ in "ab"]
     both = in_two_threads([lambda t=t: greedy(t, prompts, steps) for t in pair])
     return {
@@ -276,6 +306,8 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
         "rows_equal": sum(x == y for x, y in zip(a, b, strict=True)),
         "graphs": fast.runner.captured if isinstance(fast, CudaTarget) else 0,
         "two_threads_rows_equal": [sum(x == y for x, y in zip(o, b, strict=True)) for o in both],
+        "kernels": kernels_taken(getattr(fast, "step", None)),
+        "torch_forms_rows_equal": sum(x == y for x, y in zip(a, c, strict=True)),
     }
 
 

@@ -27,8 +27,13 @@ The model's own weights and modules compute everything else, in the model's form
 sample at load proves them equal, fused forms with fewer kernels (:mod:`d3d.backends.cuda.fused`:
 torch's one-kernel ``rms_norm``, q and k rotated together, one product for q, k, v and one for
 gate, up where the backend's ``prepare`` laid their weights out in one storage); ``fused=False``
-keeps the model's forms throughout. The numbers are the model's own up to rounding; only the
-attention and the KV writes are this module's. :func:`unfit` says why a model cannot run it.
+keeps the model's forms throughout. Where Triton can run (a GPU), three kernels take the chains
+between the products (:mod:`d3d.backends.cuda.kernels`: the residual add with the next norm;
+q and k's norms, rotation and KV writes with q's layout; the MLP's activation), each where a
+sample on the model's device and dtype agrees with the torch forms it replaces (:class:`Kernels`
+says which; ``kernels=False`` keeps the torch forms): 24 operations a Qwen3 layer become 10.
+The numbers are the model's own up to rounding; only the attention and the KV writes are this
+module's. :func:`unfit` says why a model cannot run it.
 
 Letters: B rows (slots), T new tokens a row, N = B*T, S slots, C a slot's capacity, n keys
 attended, H hidden, Hq / Hkv heads, G = Hq / Hkv, D head dim, M kept positions, V vocab.
@@ -39,12 +44,26 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.backends.cuda.fused import laid_out, mlp_of, norm_of, own_rope, rope_of
+from d3d.backends.cuda.fused import (
+    GateUpMlp,
+    RmsNorm,
+    _rotate_together,
+    add_norm_agrees,
+    close,
+    kernels_for,
+    laid_out,
+    mlp_of,
+    norm_of,
+    own_rope,
+    rope_of,
+    silu_mul_agrees,
+)
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
 MIN_ATTENDED = 256  # the fewest keys a step attends, and the finest step of n
@@ -118,6 +137,18 @@ def _rope_rule(attn: nn.Module) -> Callable | None:
     return getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
 
 
+@dataclass
+class Kernels:
+    """The Triton kernels a step takes: ``module`` (None: none), the residual add and norm as
+    one kernel (``add_norm``, every layer or none), and per layer the q/k path and the MLP's
+    activation."""
+
+    module: ModuleType | None
+    add_norm: bool
+    qk_in: list[bool]
+    silu_mul: list[bool]
+
+
 class StaticForward:
     """A decode step of ``model`` over the slot KV ``keys`` / ``values`` (module docstring)."""
 
@@ -127,9 +158,11 @@ class StaticForward:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         fused: bool = True,
+        kernels: bool = True,
     ):
         """``fused`` False: the model's own norms, rule, projections and MLP throughout (what the
-        fused forms are measured against)."""
+        fused forms are measured against); ``kernels`` False: no Triton kernel (what they are
+        measured against)."""
         inner = model.model
         self.inner = inner
         self.layers = list(inner.layers)
@@ -163,6 +196,8 @@ class StaticForward:
             if fused
             else own_rope(self.rope)
         )
+        device = next(model.parameters()).device
+        self.kernels = self._kernels(device) if fused and kernels else self._kernels(None)
 
     @torch.inference_mode()
     def __call__(self, x: StepInputs, n: int) -> torch.Tensor:
@@ -203,22 +238,23 @@ class StaticForward:
         mask = torch.zeros(sees.shape, dtype=h.dtype, device=h.device).masked_fill_(
             ~sees, float("-inf")
         )
+        k = self.kernels
+        x = (self.norms[0][0] if self.layers else self.final_norm)(h)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            norm_in, norm_post = self.norms[i]
-            xs = norm_in(h)
-            if self.qkv[i] is not None:
-                q, k, v = F.linear(xs, self.qkv[i]).split([hq * d, hkv * d, hkv * d], -1)
+            shape = (b, t, hq, hkv, d)
+            if k.qk_in[i]:  # norms, rotation, KV writes and q's layout in one kernel
+                qkv = F.linear(x, self.qkv[i])
+                qn = self.qk_norms[i]
+                norms = (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
+                qb = k.module.qk_in(qkv, norms, cos[0], sin[0], self.keys[i], self.values[i],
+                                    write, at, shape)  # fmt: skip
             else:
-                q, k, v = a.q_proj(xs), a.k_proj(xs), a.v_proj(xs)
-            q, k, v = q.view(b * t, hq, d), k.view(b * t, hkv, d), v.view(b * t, hkv, d)
-            if self.qk_norms[i] is not None:
-                q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
-            q, k = self.rotate(q, k, cos, sin)  # [N, Hq, D], [N, Hkv, D]
-            self.keys[i][write, :, at] = k  # into [S, Hkv, C, D]
-            self.values[i][write, :, at] = v
-            # [N, Hq, D] -> [B, Hkv, G*T, D]: the query heads of a key head, row by row
-            qb = q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+                if self.qkv[i] is not None:
+                    q, kk, v = F.linear(x, self.qkv[i]).split([hq * d, hkv * d, hkv * d], -1)
+                else:
+                    q, kk, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+                qb = self.qk_torch(i, q, kk, v, cos, sin, write, at, shape)
             if slots is None:  # [B, Hkv, n, D], in place
                 kb = self.keys[i].narrow(0, 0, b).narrow(2, 0, n)
                 vb = self.values[i].narrow(0, 0, b).narrow(2, 0, n)
@@ -227,9 +263,94 @@ class StaticForward:
                 vb = self.values[i].narrow(2, 0, n).index_select(0, slots)
             o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
-            h = h + a.o_proj(o)
-            h = h + self.mlps[i](norm_post(h))
-        return self.final_norm(h)
+            h, x = self.residual(k.add_norm, h, a.o_proj(o), self.norms[i][1])
+            last = i + 1 == len(self.layers)
+            nxt = self.final_norm if last else self.norms[i + 1][0]
+            h, x = self.residual(k.add_norm, h, self.mlp_out(i, x), nxt)
+        return x
+
+    def qk_torch(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, write: torch.Tensor, at: torch.Tensor,
+                 shape: tuple[int, int, int, int, int]) -> torch.Tensor:  # fmt: skip
+        """Layer i's q, k, v [N, *] normed (Qwen3) and rotated, the keys and values written at
+        ``at`` [N] of slots ``write`` [N]: q as attention reads it, [B, Hkv, G*T, D] (what
+        :func:`d3d.backends.cuda.kernels.qk_in` does in one kernel)."""
+        b, t, hq, hkv, d = shape
+        g = hq // hkv
+        q, k, v = q.view(b * t, hq, d), k.view(b * t, hkv, d), v.view(b * t, hkv, d)
+        if self.qk_norms[i] is not None:
+            q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
+        q, k = self.rotate(q, k, cos, sin)  # [N, Hq, D], [N, Hkv, D]
+        self.keys[i][write, :, at] = k  # into [S, Hkv, C, D]
+        self.values[i][write, :, at] = v
+        # [N, Hq, D] -> [B, Hkv, G*T, D]: the query heads of a key head, row by row
+        return q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+
+    def mlp_out(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP of its normed input x [N, H] (the activation one kernel where taken)."""
+        mlp = self.mlps[i]
+        if self.kernels.silu_mul[i]:
+            return mlp.down(self.kernels.module.silu_mul(F.linear(x, mlp.gate_up)))
+        return mlp(x)
+
+    def residual(self, kernel: bool, h: torch.Tensor, delta: torch.Tensor,
+                 norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``h + delta`` and the next norm of it (one kernel where ``kernel``: h in place)."""
+        if kernel:
+            return h, self.kernels.module.add_norm(h, delta, norm.weight, norm.eps)
+        h = h + delta
+        return h, norm(h)
+
+    def _kernels(self, device: torch.device | None) -> Kernels:
+        """The Triton kernels this step takes (:mod:`d3d.backends.cuda.kernels`): each where the
+        torch forms it replaces are in place (fused norms, laid-out products, the rotation of q
+        and k together) and a sample on the model's device and dtype agrees."""
+        n = len(self.layers)
+        none = Kernels(None, False, [False] * n, [False] * n)
+        module = kernels_for(device) if device is not None else None
+        if module is None or not n or self.rotate is not _rotate_together or self.d & (self.d - 1):
+            return none
+        norms = [*(x for pair in self.norms for x in pair), self.final_norm]
+        add = all(isinstance(x, RmsNorm) for x in norms) and add_norm_agrees(module, norms[1])
+        silu = [isinstance(m, GateUpMlp) and silu_mul_agrees(module, m) for m in self.mlps]
+        qk = [
+            w is not None
+            and (qn is None or (isinstance(qn[0], RmsNorm) and isinstance(qn[1], RmsNorm)
+                                and qn[0].eps == qn[1].eps))
+            for w, qn in zip(self.qkv, self.qk_norms, strict=True)
+        ]  # fmt: skip
+        if any(qk) and not self._qk_in_agrees(module, qk.index(True), device):
+            qk = [False] * n
+        return Kernels(module, add, qk, silu)
+
+    @torch.inference_mode()
+    def _qk_in_agrees(self, module: ModuleType, i: int, device: torch.device) -> bool:
+        """Whether ``module.qk_in`` does what :meth:`qk_torch` does for layer i on a sample:
+        2 rows of 3 tokens, into scratch slots."""
+        hq, hkv, d = self.hq, self.hkv, self.d
+        dtype = self.qkv[i].dtype
+        gen = torch.Generator().manual_seed(5)
+        qkv = torch.randn(6, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
+        pos = torch.tensor([[3, 4, 5, 0, 1, 2]], device=device)
+        cos, sin = self.inner.rotary_emb(qkv[None], pos)
+        write = torch.tensor([1, 1, 1, 0, 0, 0], device=device)
+        shape = (2, 3, hq, hkv, d)
+        caches = [torch.zeros(2, 2, hkv, 8, d, dtype=dtype, device=device) for _ in "ab"]
+        keys, values = self.keys[i], self.values[i]
+        try:
+            self.keys[i], self.values[i] = caches[0][0], caches[0][1]
+            want = self.qk_torch(i, *qkv.split([hq * d, hkv * d, hkv * d], -1), cos, sin,
+                                 write, pos[0], shape)  # fmt: skip
+        finally:
+            self.keys[i], self.values[i] = keys, values
+        qn = self.qk_norms[i]
+        norms = (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
+        try:
+            got = module.qk_in(qkv, norms, cos[0], sin[0], caches[1][0], caches[1][1], write,
+                               pos[0], shape)  # fmt: skip
+        except Exception:  # a kernel that does not compile or launch on this device
+            return False
+        return close(got, want) and close(caches[1], caches[0])
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] of final hidden states [M, H]."""

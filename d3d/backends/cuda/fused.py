@@ -33,7 +33,9 @@ Letters: N new tokens, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,7 @@ Rope = Callable[
 ]  # (q [N, Hq, D], k [N, Hkv, D], cos, sin [1, N, D]) -> rotated q, k, same shapes
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to the rounding of their dtype, relative to the larger of the two."""
     tol = 1e-5 if a.dtype == torch.float32 else 1e-2
     scale = max(float(a.float().abs().max()), float(b.float().abs().max()), 1e-6)
@@ -59,14 +61,20 @@ def norm_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
         return module
-    shape = (weight.shape[0],)
-
-    def fused(x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, shape, weight, eps)
-
+    fused = RmsNorm(weight, float(eps))
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 3, shape[0], generator=gen).to(weight.device, weight.dtype)
-    return fused if _close(fused(x), module(x)) else module
+    x = torch.randn(4, 3, weight.shape[0], generator=gen).to(weight.device, weight.dtype)
+    return fused if close(fused(x), module(x)) else module
+
+
+class RmsNorm:
+    """torch's one-kernel ``rms_norm`` with a norm module's ``weight`` and ``eps``."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps, self.shape = weight, eps, (weight.shape[0],)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
 def _rotate_together(q, k, cos, sin):
@@ -106,7 +114,7 @@ def rope_of(rule: Callable, rotary: nn.Module, dtype: torch.dtype, hq: int, hkv:
     if cos.shape[-1] != d:  # a partial rotation: the model's rule knows which part
         return own
     a, b = _rotate_together(q, k, cos, sin), own(q, k, cos, sin)
-    same = all(_close(x, y) for x, y in zip(a, b, strict=True))
+    same = all(close(x, y) for x, y in zip(a, b, strict=True))
     return _rotate_together if same else own
 
 
@@ -185,12 +193,64 @@ def mlp_of(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     act, down = getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None)
     if gate_up is None or act is None or down is None:
         return mlp
-    inner = mlp.gate_proj.weight.shape[0]
-
-    def fused(x: torch.Tensor) -> torch.Tensor:
-        g, u = F.linear(x, gate_up).split(inner, -1)
-        return down(act(g) * u)
-
+    fused = GateUpMlp(gate_up, act, down)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, gate_up.shape[1], generator=gen).to(gate_up.device, gate_up.dtype)
-    return fused if _close(fused(x), mlp(x)) else mlp
+    return fused if close(fused(x), mlp(x)) else mlp
+
+
+class GateUpMlp:
+    """A gated MLP as one product for gate and up (``gate_up`` [2I, H], gate first), the
+    model's activation ``act`` and its ``down`` projection."""
+
+    def __init__(self, gate_up: torch.Tensor, act: Callable, down: Callable):
+        self.gate_up, self.act, self.down = gate_up, act, down
+        self.inner = gate_up.shape[0] // 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, self.gate_up).split(self.inner, -1)
+        return self.down(self.act(g) * u)
+
+
+def kernels_for(device: torch.device) -> ModuleType | None:
+    """:mod:`d3d.backends.cuda.kernels` where its Triton kernels can run on ``device``: a GPU
+    with Triton, or any device under ``TRITON_INTERPRET=1`` (Triton's interpreter, the tests);
+    else None."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from d3d.backends.cuda import kernels
+    except Exception:  # no Triton, or one that cannot load here: the torch forms
+        return None
+    return kernels
+
+
+@torch.inference_mode()
+def add_norm_agrees(kernels: ModuleType, norm: RmsNorm) -> bool:
+    """Whether ``kernels.add_norm`` computes ``h + delta`` and ``norm`` of it on a sample."""
+    gen = torch.Generator().manual_seed(3)
+    w = norm.weight
+    h, d = (torch.randn(3, w.shape[0], generator=gen).to(w.device, w.dtype) for _ in "hd")
+    want = h + d
+    return _agree(lambda: kernels.add_norm(h, d, w, norm.eps), lambda: norm(want), h, want)
+
+
+@torch.inference_mode()
+def silu_mul_agrees(kernels: ModuleType, mlp: GateUpMlp) -> bool:
+    """Whether ``kernels.silu_mul`` computes ``mlp``'s activation of gate times up on a sample."""
+    gen = torch.Generator().manual_seed(4)
+    w = mlp.gate_up
+    gu = (torch.randn(3, w.shape[0], generator=gen) * 4).to(w.device, w.dtype)
+    g, u = gu.split(mlp.inner, -1)
+    return _agree(lambda: kernels.silu_mul(gu), lambda: mlp.act(g) * u)
+
+
+def _agree(got: Callable, want: Callable, *pairs: torch.Tensor) -> bool:
+    """``got()`` and ``want()`` close, and each pair of ``pairs`` too, after both ran; False
+    where the kernel raises (it cannot run here)."""
+    try:
+        a = got()
+    except Exception:  # a kernel that does not compile or launch on this device
+        return False
+    b = want()
+    return close(a, b) and all(close(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))

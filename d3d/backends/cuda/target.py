@@ -49,12 +49,13 @@ class CudaTarget(BatchTarget):
         block: int = 16,
         graphs: bool = True,
         fused: bool = True,
+        kernels: bool = True,
     ):
         super().__init__(model, kv, clock)
         self.kv: StaticKV = kv
         self.widths = (1, block)
         self.buckets = tuple(sorted({b for b in BUCKETS if b < kv.slots} | {kv.slots}))
-        self.step = StaticForward(model, kv.keys, kv.values, fused)
+        self.step = StaticForward(model, kv.keys, kv.values, fused, kernels)
         self.runner = Graphs(self.step) if graphs else Eager(self.step)
         self.inputs: dict[tuple[int, int], StepInputs] = {}
         self.counts = {"decode": 0, "eager": 0}  # steps of each kind, for reports

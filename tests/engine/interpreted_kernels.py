@@ -1,0 +1,145 @@
+"""The cuda backend's Triton kernels (d3d.backends.cuda.kernels) run by Triton's interpreter on
+the CPU: taken where their samples agree, and a step through them equal to the step through the
+torch forms they replace — logits, keys and values, plain, verify and eager steps, the packed
+drafter's blocks — in float32 and float16. (Not bfloat16: the interpreter rounds a float32 to
+bfloat16 by truncation, where a GPU rounds to nearest; on a GPU the samples decide.)
+
+Not collected by the suite's own run (Triton reads ``TRITON_INTERPRET`` once, when it is first
+imported, and the rest of the suite must not run interpreted): ``test_cuda_kernels.py`` runs
+this file in a pytest of its own with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+
+import pytest
+import torch
+
+from d3d.backends.cuda import CudaBackend, CudaTarget
+from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
+from d3d.backends.cuda.forward import Kernels, StepInputs
+from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
+from d3d.model.drafter import D3DDrafter
+from tests.conftest import tiny_model
+from tests.engine.test_cuda_fused import _Ops
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_cuda_kernels.py"
+)
+DTYPES = [torch.float32, torch.float16]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0, "atol": 2e-3}
+
+
+def _pair(kind: str, dtype: torch.dtype, layers: int = 2) -> tuple[CudaTarget, CudaTarget]:
+    model = tiny_model(kind, seed=8, layers=layers).to(dtype)
+    CudaBackend(graphs=False).prepare(model)
+    kv = [StaticKV.shaped(model, 4 * MIN_CAPACITY, 2) for _ in "ab"]
+    tri = CudaTarget(model, kv[0], block=6, graphs=False)
+    own = CudaTarget(model, kv[1], block=6, graphs=False, kernels=False)
+    return tri, own
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_is_taken_where_its_sample_agrees(kind, dtype):
+    tri, own = _pair(kind, dtype, layers=3)
+    k = tri.step.kernels
+    assert k.module is not None and k.add_norm
+    assert k.qk_in == [True] * 3 and k.silu_mul == [True] * 3
+    assert own.step.kernels.module is None and not any(own.step.kernels.qk_in)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_steps_through_the_kernels_equal_steps_through_the_torch_forms(kind, dtype):
+    tri, own = _pair(kind, dtype)
+    rows = {id(t): [t.kv.open(100) for _ in range(2)] for t in (tri, own)}
+    # a prompt (eager, gathered slots), plain steps, a verify of 6, steps again
+    for widths in ((5, 9), (1, 1), (6, 6), (1, 1), (2, 6)):
+        ids = [[(7 * j + w) % 90 + 2 for j in range(w)] for w in widths]
+        a, b = (t.forward(rows[id(t)], ids) for t in (tri, own))
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, **_tol(dtype))
+            assert x.argmax(-1).tolist() == y.argmax(-1).tolist()
+        for t in (tri, own):
+            for row, w in zip(rows[id(t)], widths, strict=True):
+                t.kv.commit(row, w)
+    assert tri.counts == own.counts and tri.counts["decode"] >= 3
+    for ka, kb in zip(tri.kv.keys + tri.kv.values, own.kv.keys + own.kv.values, strict=True):
+        torch.testing.assert_close(ka, kb, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype):
+    target = tiny_model("qwen3", seed=2).to(dtype)
+    d = D3DDrafter.from_target(target, 2, block_size=5)
+    CudaBackend(graphs=False).prepare_drafter(d.lm)
+    plan = PackedPlan(graphs=False, rows=2, kv_tokens=1024)
+    packs = [PackedDrafter(d, plan) for _ in "ab"]
+    packs[1].step.core.kernels = Kernels(None, False, [False] * 2, [False] * 2)
+    assert packs[0].step.core.kernels.qk_in == [True, True]
+    prefixes = [[3, 8, 13, 21, 5, 6], [(5 * i) % 90 + 2 for i in range(20)]]
+    none = torch.zeros(2, 0, dtype=torch.long)
+    outs = []
+    for p in packs:
+        rows = [p.open(100) for _ in prefixes]
+        p.run(rows, [x[:-1] for x in prefixes], none, none)
+        visible = torch.tensor([[len(x) - 1] for x in prefixes])
+        anchors = torch.tensor([[x[-1]] for x in prefixes])
+        outs.append(p.run(rows, [[] for _ in prefixes], visible, anchors).blocks)
+    torch.testing.assert_close(outs[0], outs[1], **_tol(dtype))
+
+
+def _launches_a_step(layers: int) -> collections.Counter:
+    """Operations a plain 2-row step launches: torch's (views free) and the Triton kernels'."""
+    model = tiny_model("qwen3", seed=6, layers=layers)
+    CudaBackend(graphs=False).prepare(model)
+    t = CudaBackend(graphs=False, trust=True).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
+    module = t.step.kernels.module
+    x = StepInputs.empty(2, 1, torch.device("cpu"))
+    x.fill(torch.tensor([[1], [2]]), torch.tensor([3, 4]))
+    with _Ops() as ops, _counting(module, ops.count):
+        t.step(x, 256)
+    return ops.count
+
+
+@contextlib.contextmanager
+def _counting(module, count: collections.Counter):
+    names = ("add_norm", "qk_in", "silu_mul")
+    saved = {n: getattr(module, n) for n in names}
+
+    def counted(name):
+        def call(*args):  # one launch; what the interpreter runs inside it is not counted
+            before = count.copy()
+            out = saved[name](*args)
+            count.clear()
+            count.update(before)
+            count[name] += 1
+            return out
+
+        return call
+
+    try:
+        for n in names:
+            setattr(module, n, counted(n))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(module, n, f)
+
+
+def test_a_step_through_the_kernels_launches_about_half_the_operations_a_layer():
+    """A Qwen3 layer: 4 products, one attention call and its output's layout, qk_in, 2 add_norm
+    and silu_mul: 10 operations (24 through the torch forms, test_cuda_fused.py)."""
+    two, four = _launches_a_step(2), _launches_a_step(4)
+    per_layer = four - two
+    assert per_layer.total() / 2 <= 10, per_layer
+    assert per_layer["add_norm"] == 2 * 2 and per_layer["linear"] == 2 * 4
+    assert per_layer["qk_in"] == per_layer["silu_mul"] == 2
+    assert per_layer["rms_norm"] == per_layer["index_put_"] == per_layer["cat"] == 0
