@@ -22,6 +22,7 @@ from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
 from d3d.backends.cuda.forward import Kernels, StepInputs
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
+from d3d.model.adapters import AdapterConfig
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
 from tests.engine.test_cuda_fused import _Ops
@@ -76,14 +77,25 @@ def test_steps_through_the_kernels_equal_steps_through_the_torch_forms(kind, dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype):
-    target = tiny_model("qwen3", seed=2).to(dtype)
-    d = D3DDrafter.from_target(target, 2, block_size=5)
+@pytest.mark.parametrize("adapters", [False, True])
+def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype, adapters):
+    """With gated adapters (hooks on every projection) only the residual add and norm run as a
+    kernel: the products keep their module calls, so the adapters act."""
+    target = tiny_model("qwen3", seed=2)
+    d = D3DDrafter.from_target(
+        target, 2, block_size=5, adapter=AdapterConfig(rank=4) if adapters else None
+    )
+    if adapters:
+        with torch.no_grad():
+            for lora in d.adapters.lora.values():
+                lora.B.normal_(0, 0.5)
+    d = d.to(dtype)
     CudaBackend(graphs=False).prepare_drafter(d.lm)
     plan = PackedPlan(graphs=False, rows=2, kv_tokens=1024)
     packs = [PackedDrafter(d, plan) for _ in "ab"]
     packs[1].step.core.kernels = Kernels(None, False, [False] * 2, [False] * 2)
-    assert packs[0].step.core.kernels.qk_in == [True, True]
+    k = packs[0].step.core.kernels
+    assert k.add_norm and k.qk_in == k.silu_mul == [not adapters] * 2
     prefixes = [[3, 8, 13, 21, 5, 6], [(5 * i) % 90 + 2 for i in range(20)]]
     none = torch.zeros(2, 0, dtype=torch.long)
     outs = []
