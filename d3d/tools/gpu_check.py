@@ -23,7 +23,9 @@ ends (a run cut short keeps what it finished):
    the measured primitives: with the drafter on its own GPU a round is hidden when it fits
    inside a verify, so a round costs max(verify, packed round) plus the drafter's block on a
    branch miss (:func:`projection`), beside the paper's 5.00x.
-6. **memory** — the peak allocation against ``d3d plan``'s count.
+6. **memory** — the peak allocation against ``d3d plan``'s count (run right after decode).
+   **profile** — the 1-row step's kernels by kind, eager and replayed, against its wall time
+   (:mod:`d3d.tools.step_profile`): where the time beyond the floor goes.
 7. **vllm** — vLLM alone and with the D3D proposer on the same target, where vLLM is installed
    (:mod:`d3d.tools.gpu_vllm`; skipped otherwise, as on the lent check machines).
 
@@ -55,6 +57,7 @@ from d3d.tools import gpu_stages as st
 from d3d.tools.gpu_report import table
 from d3d.tools.gpu_service import ServiceSettings, run_service, service_errors
 from d3d.tools.gpu_vllm import run_vllm, vllm_errors
+from d3d.tools.step_profile import step_profile
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     # the peak so far is the decode stage's widest step (the replay stages reset the peak)
     kv = args.context + 2 * st.BLOCK
     stage("memory", lambda: st.memory_against_plan(config, device, dtype, max(rows), kv))
+    stage("profile", lambda: step_profile(target, args.context, st.BLOCK))
     stage("drafters", lambda: _drafters(target, args, device, dtype, res))
     stage("exactness", lambda: _exactness(config, device, args))
     for s in services:

@@ -49,6 +49,14 @@ def table(res: dict) -> str:
             f"{dec['1']['torch_forms_step_ms']} ms | {dec['1']['torch_forms_over_kernels']}x "
             f"with them ({taken}) | |"
         )
+    for how, prof in (res.get("profile") or {}).items():
+        if how in ("eager", "graphs") and isinstance(prof, dict):
+            kinds = ", ".join(f"{k} {v}" for k, v in prof["by_kind_us"].items())
+            lines.append(
+                f"| decode step, 1 row, {how}: kernel time / wall (profiler) | "
+                f"{prof['kernel_us']} / {prof['wall_us']} us ({prof['launches']} launches) | "
+                f"{kinds} | |"
+            )
     for name, row in (res.get("drafters") or {}).items():
         if not isinstance(row, dict):  # {"skipped": ...}
             continue

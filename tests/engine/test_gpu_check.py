@@ -37,7 +37,7 @@ def test_script_tiny_runs_every_stage(tmp_path):
     assert res["errors"] == [], res["errors"]
     assert set(res["stages"]) == {
         "bandwidth", "decode", "drafters", "exactness", "replay_1", "replay_16", "projection",
-        "memory",
+        "memory", "profile",
     }  # fmt: skip
     assert res["target_margins"]["residual_scale"] == 0.01
     assert res["target"] == "qwen3-8b-tiny" and res["elapsed_s"] < res["budget_s"]
@@ -46,6 +46,11 @@ def test_script_tiny_runs_every_stage(tmp_path):
     dec = res["decode"]
     assert dec["backend"] == "CudaTarget"  # the cuda backend's step code, eager on the CPU
     assert dec["rows"]["1"]["unfused_step_ms"] > 0  # the model's own forms, beside the fused
+    assert dec["rows"]["1"]["torch_forms_step_ms"] > 0  # and the torch forms without Triton
+    assert dec["kernels"] == {"module": False}  # no Triton kernel on a CPU (no interpreter)
+    prof = res["profile"]["eager"]  # the 1-row step's operators (kernels on a GPU), by kind
+    assert "graphs" not in res["profile"] and prof["launches"] > 0 and 0 < prof["busy"] <= 1.5
+    assert prof["by_kind_us"]["matmul"] > 0 and prof["by_kind_us"]["attention"] > 0
     assert set(dec["rows"]) == {"1", "16", "64"} and dec["counts"]["eager"] == 0
     for r, row in dec["rows"].items():
         assert row["step_ms"] > 0 and row["verify16_ms"] > 0 and row["step_floor_ms"] > 0
@@ -59,6 +64,7 @@ def test_script_tiny_runs_every_stage(tmp_path):
     ex = res["exactness"]
     assert ex["rows_equal"] == ex["rows"] == 16 and not ex["captured"]
     assert ex["two_threads_rows_equal"] == [16, 16]
+    assert ex["torch_forms_rows_equal"] == 16
 
     for key, rows in (("replay_1", 1), ("replay_16", 16)):
         svc = res[key]
@@ -132,3 +138,22 @@ def test_gpu_check_on_cuda(tmp_path):
     assert res["device"] != "cpu" and res["dtype"] == "bfloat16"
     assert res["exactness"]["captured"] and res["exactness"]["rows_equal"] == 16
     assert res["memory"]["measured_peak_bytes"] > 0
+
+
+def test_the_profile_sorts_gpu_kernels_by_kind():
+    from d3d.tools.step_profile import kind_of
+
+    kinds = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1": "matmul",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16>": "matmul",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x1_tn>": "matmul",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": "attention",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+        "_qk_in": "triton",
+        "_add_norm": "triton",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "other",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps<float>>>": "other",
+        "Memcpy HtoD (Pinned -> Device)": "other",
+    }  # fmt: skip
+    for name, kind in kinds.items():
+        assert kind_of(name) == kind, name
