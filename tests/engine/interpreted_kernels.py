@@ -93,7 +93,7 @@ def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype, ad
     CudaBackend(graphs=False).prepare_drafter(d.lm)
     plan = PackedPlan(graphs=False, rows=2, kv_tokens=1024)
     packs = [PackedDrafter(d, plan) for _ in "ab"]
-    packs[1].step.core.kernels = Kernels(None, False, [False] * 2, [False] * 2)
+    packs[1].step.core.kernels = Kernels.none(2)
     k = packs[0].step.core.kernels
     assert k.add_norm and k.qk_in == k.silu_mul == [not adapters] * 2
     prefixes = [[3, 8, 13, 21, 5, 6], [(5 * i) % 90 + 2 for i in range(20)]]

@@ -15,7 +15,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
 from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.forward import StepInputs
-from d3d.backends.cuda.fused import _rotate_together, fuse_projections, joined, norm_of, rope_of
+from d3d.backends.cuda.fused import fuse_projections, joined, norm_of, rope_of, rotate_together
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
@@ -36,7 +36,7 @@ def test_the_models_norms_and_rotation_are_fused_and_agree(kind, dtype):
     a = layer.self_attn
     hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
     rope = rope_of(_rule(a), model.model.rotary_emb, dtype, hq, hkv, a.head_dim)
-    assert rope is _rotate_together
+    assert rope is rotate_together
     q, k = torch.randn(4, hq, a.head_dim).to(dtype), torch.randn(4, hkv, a.head_dim).to(dtype)
     cos, sin = model.model.rotary_emb(q[None, :, 0], torch.tensor([[0, 7, 100, 3000]]))
     want = _rule(a)(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
@@ -60,7 +60,7 @@ def test_a_norm_or_rule_of_another_form_keeps_the_models_own_code():
 
     hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
     rope = rope_of(interleaved, model.model.rotary_emb, torch.float32, hq, hkv, a.head_dim)
-    assert rope is not _rotate_together
+    assert rope is not rotate_together
 
 
 def _storages(model) -> dict[int, int]:

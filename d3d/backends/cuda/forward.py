@@ -53,7 +53,6 @@ from torch import nn
 from d3d.backends.cuda.fused import (
     GateUpMlp,
     RmsNorm,
-    _rotate_together,
     add_norm_agrees,
     close,
     kernels_for,
@@ -62,6 +61,7 @@ from d3d.backends.cuda.fused import (
     norm_of,
     own_rope,
     rope_of,
+    rotate_together,
     silu_mul_agrees,
 )
 
@@ -148,6 +148,11 @@ class Kernels:
     qk_in: list[bool]
     silu_mul: list[bool]
 
+    @classmethod
+    def none(cls, layers: int) -> Kernels:
+        """No kernel: the torch forms throughout."""
+        return cls(None, False, [False] * layers, [False] * layers)
+
 
 class StaticForward:
     """A decode step of ``model`` over the slot KV ``keys`` / ``values`` (module docstring)."""
@@ -197,7 +202,9 @@ class StaticForward:
             else own_rope(self.rope)
         )
         device = next(model.parameters()).device
-        self.kernels = self._kernels(device) if fused and kernels else self._kernels(None)
+        self.kernels = (
+            self._kernels(device) if fused and kernels else Kernels.none(len(self.layers))
+        )
 
     @torch.inference_mode()
     def __call__(self, x: StepInputs, n: int) -> torch.Tensor:
@@ -254,7 +261,8 @@ class StaticForward:
                     q, kk, v = F.linear(x, self.qkv[i]).split([hq * d, hkv * d, hkv * d], -1)
                 else:
                     q, kk, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-                qb = self.qk_torch(i, q, kk, v, cos, sin, write, at, shape)
+                qb = self.qk_torch(i, (q, kk, v), cos, sin, (self.keys[i], self.values[i]),
+                                   write, at, shape)  # fmt: skip
             if slots is None:  # [B, Hkv, n, D], in place
                 kb = self.keys[i].narrow(0, 0, b).narrow(2, 0, n)
                 vb = self.values[i].narrow(0, 0, b).narrow(2, 0, n)
@@ -269,20 +277,23 @@ class StaticForward:
             h, x = self.residual(k.add_norm, h, self.mlp_out(i, x), nxt)
         return x
 
-    def qk_torch(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, write: torch.Tensor, at: torch.Tensor,
+    def qk_torch(self, i: int, qkv: tuple[torch.Tensor, ...], cos: torch.Tensor,
+                 sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                 write: torch.Tensor, at: torch.Tensor,
                  shape: tuple[int, int, int, int, int]) -> torch.Tensor:  # fmt: skip
-        """Layer i's q, k, v [N, *] normed (Qwen3) and rotated, the keys and values written at
-        ``at`` [N] of slots ``write`` [N]: q as attention reads it, [B, Hkv, G*T, D] (what
-        :func:`d3d.backends.cuda.kernels.qk_in` does in one kernel)."""
+        """Layer i's q, k, v [N, *] normed (Qwen3) and rotated, the keys and values written into
+        ``cache`` (keys, values [S, Hkv, C, D]) at ``at`` [N] of slots ``write`` [N]: q as
+        attention reads it, [B, Hkv, G*T, D] (what :func:`d3d.backends.cuda.kernels.qk_in` does
+        in one kernel)."""
         b, t, hq, hkv, d = shape
         g = hq // hkv
+        q, k, v = qkv
         q, k, v = q.view(b * t, hq, d), k.view(b * t, hkv, d), v.view(b * t, hkv, d)
         if self.qk_norms[i] is not None:
             q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
         q, k = self.rotate(q, k, cos, sin)  # [N, Hq, D], [N, Hkv, D]
-        self.keys[i][write, :, at] = k  # into [S, Hkv, C, D]
-        self.values[i][write, :, at] = v
+        cache[0][write, :, at] = k
+        cache[1][write, :, at] = v
         # [N, Hq, D] -> [B, Hkv, G*T, D]: the query heads of a key head, row by row
         return q.reshape(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
 
@@ -301,14 +312,14 @@ class StaticForward:
         h = h + delta
         return h, norm(h)
 
-    def _kernels(self, device: torch.device | None) -> Kernels:
+    def _kernels(self, device: torch.device) -> Kernels:
         """The Triton kernels this step takes (:mod:`d3d.backends.cuda.kernels`): each where the
         torch forms it replaces are in place (fused norms, laid-out products, the rotation of q
         and k together) and a sample on the model's device and dtype agrees."""
         n = len(self.layers)
-        none = Kernels(None, False, [False] * n, [False] * n)
-        module = kernels_for(device) if device is not None else None
-        if module is None or not n or self.rotate is not _rotate_together or self.d & (self.d - 1):
+        none = Kernels.none(n)
+        module = kernels_for(device)
+        if module is None or not n or self.rotate is not rotate_together or self.d & (self.d - 1):
             return none
         norms = [*(x for pair in self.norms for x in pair), self.final_norm]
         add = all(isinstance(x, RmsNorm) for x in norms) and add_norm_agrees(module, norms[1])
@@ -336,13 +347,8 @@ class StaticForward:
         write = torch.tensor([1, 1, 1, 0, 0, 0], device=device)
         shape = (2, 3, hq, hkv, d)
         caches = [torch.zeros(2, 2, hkv, 8, d, dtype=dtype, device=device) for _ in "ab"]
-        keys, values = self.keys[i], self.values[i]
-        try:
-            self.keys[i], self.values[i] = caches[0][0], caches[0][1]
-            want = self.qk_torch(i, *qkv.split([hq * d, hkv * d, hkv * d], -1), cos, sin,
-                                 write, pos[0], shape)  # fmt: skip
-        finally:
-            self.keys[i], self.values[i] = keys, values
+        parts = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        want = self.qk_torch(i, parts, cos, sin, (caches[0][0], caches[0][1]), write, pos[0], shape)
         qn = self.qk_norms[i]
         norms = (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
         try:

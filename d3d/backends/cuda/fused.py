@@ -77,7 +77,11 @@ class RmsNorm:
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
-def _rotate_together(q, k, cos, sin):
+def rotate_together(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D] and k [N, Hkv, D] rotated by ``cos`` / ``sin`` [1, N, D] in one pass (the
+    rotate-half rule of Llama-family models), as :func:`rope_of` takes it where it agrees."""
     hq = q.shape[1]
     qk = torch.cat([q, k], 1)  # [N, Hq + Hkv, D]
     c, s = cos[0][:, None], sin[0][:, None]  # [N, 1, D]
@@ -113,9 +117,9 @@ def rope_of(rule: Callable, rotary: nn.Module, dtype: torch.dtype, hq: int, hkv:
     cos, sin = rotary(q[None, :, 0], pos)  # [1, N, D'] in q's dtype
     if cos.shape[-1] != d:  # a partial rotation: the model's rule knows which part
         return own
-    a, b = _rotate_together(q, k, cos, sin), own(q, k, cos, sin)
+    a, b = rotate_together(q, k, cos, sin), own(q, k, cos, sin)
     same = all(close(x, y) for x, y in zip(a, b, strict=True))
-    return _rotate_together if same else own
+    return rotate_together if same else own
 
 
 def joined(*weights: torch.Tensor) -> torch.Tensor | None:
