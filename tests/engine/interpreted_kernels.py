@@ -1,7 +1,8 @@
 """The cuda backend's Triton kernels (d3d.backends.cuda.kernels) run by Triton's interpreter on
 the CPU: taken where their samples agree, and a step through them equal to the step through the
-torch forms they replace — logits, keys and values, plain, verify and eager steps, the packed
-drafter's blocks — in float32 and float16. (Not bfloat16: the interpreter rounds a float32 to
+torch forms they replace — logits, keys and values, plain, verify and eager steps (attention
+split over the keys in the plain and verify steps), the packed drafter's blocks — in float32
+and float16. (Not bfloat16: the interpreter rounds a float32 to
 bfloat16 by truncation, where a GPU rounds to nearest; on a GPU the samples decide.)
 
 Not collected by the suite's own run (Triton reads ``TRITON_INTERPRET`` once, when it is first
@@ -51,7 +52,7 @@ def _pair(kind: str, dtype: torch.dtype, layers: int = 2) -> tuple[CudaTarget, C
 def test_every_kernel_is_taken_where_its_sample_agrees(kind, dtype):
     tri, own = _pair(kind, dtype, layers=3)
     k = tri.step.kernels
-    assert k.module is not None and k.add_norm
+    assert k.module is not None and k.add_norm and k.attend
     assert k.qk_in == [True] * 3 and k.silu_mul == [True] * 3
     assert own.step.kernels.module is None and not any(own.step.kernels.qk_in)
 
@@ -123,7 +124,7 @@ def _launches_a_step(layers: int) -> collections.Counter:
 
 @contextlib.contextmanager
 def _counting(module, count: collections.Counter):
-    names = ("add_norm", "qk_in", "silu_mul")
+    names = ("add_norm", "qk_in", "silu_mul", "attend")
     saved = {n: getattr(module, n) for n in names}
 
     def counted(name):
@@ -132,7 +133,7 @@ def _counting(module, count: collections.Counter):
             out = saved[name](*args)
             count.clear()
             count.update(before)
-            count[name] += 1
+            count[name] += 2 if name == "attend" else 1  # attention: a split and a join kernel
             return out
 
         return call
@@ -147,11 +148,36 @@ def _counting(module, count: collections.Counter):
 
 
 def test_a_step_through_the_kernels_launches_about_half_the_operations_a_layer():
-    """A Qwen3 layer: 4 products, one attention call and its output's layout, qk_in, 2 add_norm
-    and silu_mul: 10 operations (24 through the torch forms, test_cuda_fused.py)."""
+    """A Qwen3 layer: 4 products, qk_in, attention split over the keys and joined (2 kernels)
+    and its output's layout, 2 add_norm and silu_mul: 11 launches (24 operations through the
+    torch forms, test_cuda_fused.py); and no attention mask is built."""
     two, four = _launches_a_step(2), _launches_a_step(4)
     per_layer = four - two
-    assert per_layer.total() / 2 <= 10, per_layer
+    assert per_layer.total() / 2 <= 11, per_layer
+    assert per_layer["attend"] == 2 * 2 and per_layer["scaled_dot_product_attention"] == 0
+    assert two["masked_fill_"] == 0
     assert per_layer["add_norm"] == 2 * 2 and per_layer["linear"] == 2 * 4
     assert per_layer["qk_in"] == per_layer["silu_mul"] == 2
     assert per_layer["rms_norm"] == per_layer["index_put_"] == per_layer["cat"] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_split_attention_equals_sdpa_with_the_rows_mask(dtype, splits):
+    """Rows of 1 and 6 queries a key head, some chunks past every key a row sees."""
+    from d3d.backends.cuda import kernels
+
+    gen = torch.Generator().manual_seed(splits)
+    for b, t, g, hkv, d, n in [(1, 1, 4, 2, 16, 256), (3, 6, 2, 2, 16, 320), (2, 1, 2, 4, 32, 512)]:
+        keys, values = (torch.randn(b + 1, hkv, 640, d, generator=gen).to(dtype) for _ in "kv")
+        q = torch.randn(b, hkv, g * t, d, generator=gen).to(dtype)
+        lengths = torch.randint(0, n - t, (b,), generator=gen)
+        limit = lengths[:, None] + torch.arange(1, t + 1)
+        got = kernels.attend(q, keys, values, limit, n, d**-0.5, splits)
+        sees = (torch.arange(n)[None, None, :] < limit[:, :, None])[:, None, None]
+        sees = sees.expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, keys[:b, :, :n], values[:b, :, :n], mask, scale=d**-0.5
+        )
+        torch.testing.assert_close(got, want, **_tol(dtype))

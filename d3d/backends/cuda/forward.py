@@ -27,11 +27,13 @@ The model's own weights and modules compute everything else, in the model's form
 sample at load proves them equal, fused forms with fewer kernels (:mod:`d3d.backends.cuda.fused`:
 torch's one-kernel ``rms_norm``, q and k rotated together, one product for q, k, v and one for
 gate, up where the backend's ``prepare`` laid their weights out in one storage); ``fused=False``
-keeps the model's forms throughout. Where Triton can run (a GPU), three kernels take the chains
-between the products (:mod:`d3d.backends.cuda.kernels`: the residual add with the next norm;
-q and k's norms, rotation and KV writes with q's layout; the MLP's activation), each where a
-sample on the model's device and dtype agrees with the torch forms it replaces (:class:`Kernels`
-says which; ``kernels=False`` keeps the torch forms): 24 operations a Qwen3 layer become 10.
+keeps the model's forms throughout. Where Triton can run (a GPU), four kernels take the chains
+between the products and the attention (:mod:`d3d.backends.cuda.kernels`: the residual add with
+the next norm; q and k's norms, rotation and KV writes with q's layout; the MLP's activation;
+attention split over the keys, read by row lengths instead of a mask), each where a sample on
+the model's device and dtype agrees with the torch forms it replaces (:class:`Kernels` says
+which; ``kernels=False`` keeps the torch forms): 24 operations a Qwen3 layer become 11
+launches.
 The numbers are the model's own up to rounding; only the attention and the KV writes are this
 module's. :func:`unfit` says why a model cannot run it.
 
@@ -140,13 +142,15 @@ def _rope_rule(attn: nn.Module) -> Callable | None:
 @dataclass
 class Kernels:
     """The Triton kernels a step takes: ``module`` (None: none), the residual add and norm as
-    one kernel (``add_norm``, every layer or none), and per layer the q/k path and the MLP's
-    activation."""
+    one kernel (``add_norm``, every layer or none), per layer the q/k path and the MLP's
+    activation, and attention split over the keys (``attend``: a step over slots in place
+    whose queries see each row's first keys — the target's, not the drafter's blocks)."""
 
     module: ModuleType | None
     add_norm: bool
     qk_in: list[bool]
     silu_mul: list[bool]
+    attend: bool = False
 
     @classmethod
     def none(cls, layers: int) -> Kernels:
@@ -202,6 +206,8 @@ class StaticForward:
             else own_rope(self.rope)
         )
         device = next(model.parameters()).device
+        cuda = device.type == "cuda"
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
         self.kernels = (
             self._kernels(device) if fused and kernels else Kernels.none(len(self.layers))
         )
@@ -211,14 +217,11 @@ class StaticForward:
         """The step's hidden states after the final norm, [B*T, H]; writes the new keys."""
         t = x.ids.shape[1]
         ids, pos = x.ids.reshape(-1), x.positions.reshape(1, -1)  # [N], [1, N]
-        # query t of a row sees key j where j <= length + t: [B, T, n]
-        keys_at = torch.arange(n, device=ids.device)
-        sees = (
-            keys_at[None, None, :]
-            <= (x.lengths[:, None] + torch.arange(t, device=ids.device))[:, :, None]
-        )
+        # query t of a row sees the keys before length + t + 1: [B, T]; as a mask [B, T, n]
+        limit = x.lengths[:, None] + torch.arange(1, t + 1, device=ids.device)
+        sees = torch.arange(n, device=ids.device)[None, None, :] < limit[:, :, None]
         h = self.inner.embed_tokens(ids)  # [N, H]
-        return self.layers_over(h, pos, pos[0], sees, n)
+        return self.layers_over(h, pos, pos[0], sees, n, limit=limit)
 
     def layers_over(
         self,
@@ -228,12 +231,15 @@ class StaticForward:
         sees: torch.Tensor,
         n: int,
         slots: torch.Tensor | None = None,
+        limit: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder layers and final norm over new tokens h [N, H] (N = B*T, row by row):
         rotary positions ``pos`` [1, N], each new key written at position ``at`` [N] of its
         row's slot, attention over the first n keys masked by ``sees`` [B, T, n] (True: may
         attend). ``slots`` [B]: the rows' slots (None: slots 0 .. B-1, read in place; else
-        gathered, an eager step's rows). Returns [N, H]."""
+        gathered, an eager step's rows). ``limit`` [B, T]: where ``sees`` is each query's
+        first keys, how many (the split attention kernel reads it in place of the mask).
+        Returns [N, H]."""
         b, t = sees.shape[:2]
         hq, hkv, d = self.hq, self.hkv, self.d
         g = hq // hkv
@@ -241,11 +247,13 @@ class StaticForward:
         rows = torch.arange(b, device=h.device) if slots is None else slots
         write = rows.repeat_interleave(t)  # [N]: each new key's slot
         # query (g, t) of a row: [B, 1, G*T, n], additive (made once, not by SDPA in every layer)
-        sees = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
-        mask = torch.zeros(sees.shape, dtype=h.dtype, device=h.device).masked_fill_(
-            ~sees, float("-inf")
-        )
         k = self.kernels
+        split = k.attend and limit is not None and slots is None  # the split attention kernel
+        if not split:
+            sees = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+            mask = torch.zeros(sees.shape, dtype=h.dtype, device=h.device).masked_fill_(
+                ~sees, float("-inf")
+            )
         x = (self.norms[0][0] if self.layers else self.final_norm)(h)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
@@ -269,7 +277,11 @@ class StaticForward:
             else:
                 kb = self.keys[i].narrow(2, 0, n).index_select(0, slots)
                 vb = self.values[i].narrow(2, 0, n).index_select(0, slots)
-            o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
+            if split:
+                o = k.module.attend(qb, self.keys[i], self.values[i], limit, n, self.scaling,
+                                    self.splits(b, n))  # fmt: skip
+            else:
+                o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
             h, x = self.residual(k.add_norm, h, a.o_proj(o), self.norms[i][1])
             last = i + 1 == len(self.layers)
@@ -332,7 +344,34 @@ class StaticForward:
         ]  # fmt: skip
         if any(qk) and not self._qk_in_agrees(module, qk.index(True), device):
             qk = [False] * n
-        return Kernels(module, add, qk, silu)
+        return Kernels(module, add, qk, silu, self._attend_agrees(module, device))
+
+    def splits(self, rows: int, n: int) -> int:
+        """Chunks the split attention cuts n keys into for ``rows`` rows: enough programs to keep
+        every SM reading (two per SM), chunks of at least 64 keys."""
+        return max(1, min(-(-n // 64), -(-2 * self.sms // (rows * self.hkv))))
+
+    @torch.inference_mode()
+    def _attend_agrees(self, module: ModuleType, device: torch.device) -> bool:
+        """Whether ``module.attend`` computes this step's SDPA call on a sample: 2 rows of 3
+        queries a key head over 320 keys, in 3 chunks."""
+        hkv, g, d = self.hkv, self.hq // self.hkv, self.d
+        dtype = next(iter(self.head_module.parameters())).dtype
+        gen = torch.Generator().manual_seed(6)
+        kv = [torch.randn(3, hkv, 384, d, generator=gen).to(device, dtype) for _ in "kv"]
+        q = torch.randn(2, hkv, g * 3, d, generator=gen).to(device, dtype)
+        limit = torch.tensor([[5, 6, 7], [300, 301, 302]], device=device)
+        sees = torch.arange(320, device=device)[None, None, :] < limit[:, :, None]
+        sees = sees[:, None, None].expand(2, 1, g, 3, 320).reshape(2, 1, g * 3, 320)
+        mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, -torch.inf)
+        want = F.scaled_dot_product_attention(
+            q, kv[0][:2, :, :320], kv[1][:2, :, :320], mask, scale=self.scaling
+        )
+        try:
+            got = module.attend(q, kv[0], kv[1], limit, 320, self.scaling, 3)
+        except Exception:  # a kernel that does not compile or launch on this device
+            return False
+        return close(got, want)
 
     @torch.inference_mode()
     def _qk_in_agrees(self, module: ModuleType, i: int, device: torch.device) -> bool:

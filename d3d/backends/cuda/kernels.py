@@ -3,7 +3,7 @@ products, one kernel each, so a captured step launches about half the kernels a 
 
 Inside a CUDA graph a kernel still costs a launch slot and a minimum run of a few microseconds;
 after :mod:`d3d.backends.cuda.fused` a Qwen3 layer is four products, an attention call and about
-nineteen small kernels, and at one row those small kernels are a fifth of the step. Three
+nineteen small kernels, and at one row those small kernels are a fifth of the step. Four
 kernels take their place:
 
 - :func:`add_norm`: the residual add and the next RMSNorm (``h += delta``; ``x = norm(h)``),
@@ -12,13 +12,20 @@ kernels take their place:
   and k (Qwen3), the rotation of both, the new keys and values written into their slots, and q
   laid out as attention reads it ([B, Hkv, G*T, D]): about eleven kernels become one.
 - :func:`silu_mul`: the MLP's ``silu(gate) * up``: two kernels become one.
+- :func:`attend`: attention of a step whose queries see each row's first keys (the target's
+  plain and verify steps), split over the keys: torch's attention with a mask runs one program
+  per (row, key head), 8 of an H100's 132 SMs at one row of Qwen3-8B, each reading its head's
+  whole context; here each program reads a chunk of at least 64 keys (chunks enough for two
+  programs an SM), keeps its running maximum and sum, and a second kernel joins the chunks.
+  No mask is built or read. Float32 products stay float32 (not TF32).
 
 Each rounds where the model's own code rounds (the sum before the norm, the normalised value
 before its weight, each product of the rotation before their sum), so it agrees with the torch
 forms it replaces to the last bit or so; the step takes a kernel only where a sample on the
 model's device and dtype agrees (``StaticForward``). This module imports Triton: it is imported
 by :func:`d3d.backends.cuda.fused.kernels_for` only where a GPU runs it, or where
-``TRITON_INTERPRET=1`` runs it on the CPU (the tests).
+``TRITON_INTERPRET=1`` runs it on the CPU (the tests; Triton 3.6's interpreter cannot take a
+runtime loop bound with numpy 2.5, its own limit, not the kernels').
 
 Letters: N new tokens (B rows of T), H hidden, I the MLP's inner width, Hq / Hkv heads,
 G = Hq / Hkv, D head dim (a power of two).
@@ -162,3 +169,104 @@ def qk_in(
             num_warps=1 if d <= 128 else 2,
         )  # fmt: skip
     return q
+
+
+@triton.jit
+def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, o_ptr, ml_ptr, n, chunk, scale,
+                  s_slot, s_head, s_pos, HKV: tl.constexpr, M: tl.constexpr, T: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  PREC: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)  # row b, key head h: bh = b * HKV + h
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    b = bh // HKV
+    h = bh % HKV
+    m_at = tl.arange(0, BLOCK_M)
+    d_at = tl.arange(0, D)
+    real = m_at < M
+    q = tl.load(q_ptr + (bh * M + m_at[:, None]) * D + d_at[None, :], mask=real[:, None], other=0.0)
+    # query m = g * T + t sees keys j < limit[b, t]
+    limit = tl.load(limit_ptr + b * T + m_at % T, mask=real, other=0)
+    best = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a split that sees no key adds 0
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    base = b * s_slot + h * s_head
+    start = split * chunk
+    for step in tl.range(0, chunk, BLOCK_N):  # the chunk's tiles; the last chunk's past n masked
+        j = start + step + tl.arange(0, BLOCK_N)
+        inside = j < n
+        k = tl.load(
+            k_ptr + base + j[:, None] * s_pos + d_at[None, :], mask=inside[:, None], other=0.0
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s = s * scale
+        s = tl.where((j[None, :] < limit[:, None]) & inside[None, :], s, float("-inf"))
+        new = tl.maximum(best, tl.max(s, 1))
+        p = tl.exp(s - new[:, None])
+        fade = tl.exp(best - new)
+        total = total * fade + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + base + j[:, None] * s_pos + d_at[None, :], mask=inside[:, None], other=0.0
+        )
+        acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        best = new
+    part = (bh * splits + split) * BLOCK_M + m_at
+    tl.store(o_ptr + part[:, None] * D + d_at[None, :], acc)
+    tl.store(ml_ptr + part * 2, best)
+    tl.store(ml_ptr + part * 2 + 1, total)
+
+
+@triton.jit
+def _attend_join(part_ptr, ml_ptr, out_ptr, splits, M: tl.constexpr, BLOCK_M: tl.constexpr,
+                 D: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1)
+    d_at = tl.arange(0, D)
+    top = tl.load(ml_ptr + (bh * splits * BLOCK_M + m) * 2)
+    for s in tl.range(1, splits):
+        top = tl.maximum(top, tl.load(ml_ptr + ((bh * splits + s) * BLOCK_M + m) * 2))
+    acc = tl.zeros([D], tl.float32)
+    total = top * 0.0
+    for s in tl.range(0, splits):
+        at = (bh * splits + s) * BLOCK_M + m
+        w = tl.exp(tl.load(ml_ptr + at * 2) - top)
+        total += w * tl.load(ml_ptr + at * 2 + 1)
+        acc += w * tl.load(part_ptr + at * D + d_at)
+    out = acc / total
+    tl.store(out_ptr + (bh * M + m) * D + d_at, out.to(out_ptr.dtype.element_ty))
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    limit: torch.Tensor,
+    n: int,
+    scale: float,
+    splits: int,
+) -> torch.Tensor:
+    """Attention of q [B, Hkv, G*T, D] (query g*T + t) over the first n positions of slots
+    0 .. B-1 of ``keys`` / ``values`` [S, Hkv, C, D], query t of row b seeing the keys before
+    ``limit`` [B, T]: the keys split into ``splits`` chunks, each chunk's softmax-weighted sum
+    in a program of its own, then joined (a decode step at few rows keeps every SM reading).
+    Returns [B, Hkv, G*T, D] in q's dtype."""
+    b, hkv, m, d = q.shape
+    t = limit.shape[1]
+    if keys.stride() != values.stride() or keys.stride(3) != 1:
+        raise ValueError("keys and values in one layout, rows contiguous")
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = 64
+    chunk = -(-triton.cdiv(n, splits) // block_n) * block_n
+    splits = triton.cdiv(n, chunk)
+    part = torch.empty(b * hkv, splits, block_m, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b * hkv, splits, block_m, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    with _on(q):
+        _attend_split[(b * hkv, splits)](
+            q.contiguous(), keys, values, limit.contiguous(), part, ml, n, chunk, scale,
+            keys.stride(0), keys.stride(1), keys.stride(2), HKV=hkv, M=m, T=t, BLOCK_M=block_m,
+            BLOCK_N=block_n, D=d, num_warps=4,
+            PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 exact, not TF32
+        )  # fmt: skip
+        _attend_join[(b * hkv, m)](part, ml, out, splits, M=m, BLOCK_M=block_m, D=d, num_warps=1)
+    return out
