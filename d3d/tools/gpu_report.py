@@ -39,8 +39,8 @@ def table(res: dict) -> str:
     if "torch_forms_step_ms" in dec.get("1", {}):
         k = (res.get("decode") or {}).get("kernels") or {}
         taken = (
-            f"taken: add_norm {k.get('add_norm')}, qk_in {k.get('qk_in')} and silu_mul "
-            f"{k.get('silu_mul')} of {k.get('layers')} layers"
+            f"taken: add_norm {k.get('add_norm')}, attend {k.get('attend')}, qk_in "
+            f"{k.get('qk_in')} and silu_mul {k.get('silu_mul')} of {k.get('layers')} layers"
             if k.get("module")
             else "no kernel taken"
         )

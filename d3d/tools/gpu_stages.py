@@ -194,7 +194,7 @@ def kernels_taken(step) -> dict:
     if k is None or k.module is None:
         return {"module": False}
     return {"module": True, "add_norm": k.add_norm, "qk_in": sum(k.qk_in),
-            "silu_mul": sum(k.silu_mul), "layers": len(k.qk_in)}  # fmt: skip
+            "silu_mul": sum(k.silu_mul), "attend": k.attend, "layers": len(k.qk_in)}  # fmt: skip
 
 
 def d3d_1_7b_drafter(config: dict, device: torch.device, dtype: torch.dtype) -> D3DDrafter:

@@ -199,7 +199,7 @@ class StaticForward:
         # one product for q, k, v and one for gate, up where fuse_projections laid them out
         self.qkv = [laid_out(x, x.self_attn.q_proj) if fused else None for x in self.layers]
         self.mlps = [mlp_of(x) if fused else x.mlp for x in self.layers]
-        dtype = next(model.parameters()).dtype
+        self.dtype = dtype = next(model.parameters()).dtype
         self.rotate = (
             rope_of(self.rope, inner.rotary_emb, dtype, self.hq, self.hkv, self.d)
             if fused
@@ -356,7 +356,7 @@ class StaticForward:
         """Whether ``module.attend`` computes this step's SDPA call on a sample: 2 rows of 3
         queries a key head over 320 keys, in 3 chunks."""
         hkv, g, d = self.hkv, self.hq // self.hkv, self.d
-        dtype = next(iter(self.head_module.parameters())).dtype
+        dtype = self.dtype
         gen = torch.Generator().manual_seed(6)
         kv = [torch.randn(3, hkv, 384, d, generator=gen).to(device, dtype) for _ in "kv"]
         q = torch.randn(2, hkv, g * 3, d, generator=gen).to(device, dtype)
