@@ -21,8 +21,9 @@ import torch
 
 from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
-from d3d.backends.cuda.forward import Kernels, StepInputs
+from d3d.backends.cuda.forward import StepInputs
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
+from d3d.backends.cuda.taken import Kernels
 from d3d.model.adapters import AdapterConfig
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model

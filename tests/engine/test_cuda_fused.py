@@ -115,7 +115,7 @@ def test_the_fused_step_gives_the_model_own_forms_logits(kind):
 def test_a_kernel_that_disagrees_or_raises_is_not_taken(monkeypatch):
     """The step takes a Triton kernel only where its sample agrees with the torch form it
     replaces (kernels that compute something else, or fail to launch, stand in here)."""
-    import d3d.backends.cuda.forward as forward
+    import d3d.backends.cuda.taken as taken
 
     def wrong_norm(h, delta, weight, eps):
         h += delta
@@ -124,13 +124,14 @@ def test_a_kernel_that_disagrees_or_raises_is_not_taken(monkeypatch):
     def fails(*args):
         raise RuntimeError("no kernel image for this device")
 
-    fake = types.SimpleNamespace(add_norm=wrong_norm, silu_mul=fails, qk_in=fails)
-    monkeypatch.setattr(forward, "kernels_for", lambda device: fake)
+    fake = types.SimpleNamespace(add_norm=wrong_norm, silu_mul=fails, qk_in=fails, attend=fails)
+    monkeypatch.setattr(taken, "kernels_for", lambda device: fake)
     model = tiny_model("qwen3", seed=8)
     CudaBackend(graphs=False).prepare(model)
     kv = StaticKV.shaped(model, 4 * MIN_CAPACITY, 2)
     k = CudaTarget(model, kv, block=6, graphs=False).step.kernels
-    assert k.module is fake and not k.add_norm and k.qk_in == k.silu_mul == [False, False]
+    assert k.module is fake and not k.add_norm and not k.attend
+    assert k.qk_in == k.silu_mul == [False, False]
     # a kernel that agrees is taken
     fake.silu_mul = lambda gu: F.silu(gu[:, : gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2 :]
     k = CudaTarget(model, kv, block=6, graphs=False).step.kernels

@@ -46,26 +46,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d.backends.cuda.fused import (
-    GateUpMlp,
-    RmsNorm,
-    add_norm_agrees,
-    close,
-    kernels_for,
-    laid_out,
-    mlp_of,
-    norm_of,
-    own_rope,
-    rope_of,
-    rotate_together,
-    silu_mul_agrees,
-)
+from d3d.backends.cuda.fused import laid_out, mlp_of, norm_of, own_rope, rope_of
+from d3d.backends.cuda.taken import Kernels, take
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on length
 MIN_ATTENDED = 256  # the fewest keys a step attends, and the finest step of n
@@ -139,25 +126,6 @@ def _rope_rule(attn: nn.Module) -> Callable | None:
     return getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
 
 
-@dataclass
-class Kernels:
-    """The Triton kernels a step takes: ``module`` (None: none), the residual add and norm as
-    one kernel (``add_norm``, every layer or none), per layer the q/k path and the MLP's
-    activation, and attention split over the keys (``attend``: a step over slots in place
-    whose queries see each row's first keys — the target's, not the drafter's blocks)."""
-
-    module: ModuleType | None
-    add_norm: bool
-    qk_in: list[bool]
-    silu_mul: list[bool]
-    attend: bool = False
-
-    @classmethod
-    def none(cls, layers: int) -> Kernels:
-        """No kernel: the torch forms throughout."""
-        return cls(None, False, [False] * layers, [False] * layers)
-
-
 class StaticForward:
     """A decode step of ``model`` over the slot KV ``keys`` / ``values`` (module docstring)."""
 
@@ -208,9 +176,7 @@ class StaticForward:
         device = next(model.parameters()).device
         cuda = device.type == "cuda"
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
-        self.kernels = (
-            self._kernels(device) if fused and kernels else Kernels.none(len(self.layers))
-        )
+        self.kernels = take(self, device) if fused and kernels else Kernels.none(len(self.layers))
 
     @torch.inference_mode()
     def __call__(self, x: StepInputs, n: int) -> torch.Tensor:
@@ -324,78 +290,10 @@ class StaticForward:
         h = h + delta
         return h, norm(h)
 
-    def _kernels(self, device: torch.device) -> Kernels:
-        """The Triton kernels this step takes (:mod:`d3d.backends.cuda.kernels`): each where the
-        torch forms it replaces are in place (fused norms, laid-out products, the rotation of q
-        and k together) and a sample on the model's device and dtype agrees."""
-        n = len(self.layers)
-        none = Kernels.none(n)
-        module = kernels_for(device)
-        if module is None or not n or self.rotate is not rotate_together or self.d & (self.d - 1):
-            return none
-        norms = [*(x for pair in self.norms for x in pair), self.final_norm]
-        add = all(isinstance(x, RmsNorm) for x in norms) and add_norm_agrees(module, norms[1])
-        silu = [isinstance(m, GateUpMlp) and silu_mul_agrees(module, m) for m in self.mlps]
-        qk = [
-            w is not None
-            and (qn is None or (isinstance(qn[0], RmsNorm) and isinstance(qn[1], RmsNorm)
-                                and qn[0].eps == qn[1].eps))
-            for w, qn in zip(self.qkv, self.qk_norms, strict=True)
-        ]  # fmt: skip
-        if any(qk) and not self._qk_in_agrees(module, qk.index(True), device):
-            qk = [False] * n
-        return Kernels(module, add, qk, silu, self._attend_agrees(module, device))
-
     def splits(self, rows: int, n: int) -> int:
         """Chunks the split attention cuts n keys into for ``rows`` rows: enough programs to keep
         every SM reading (two per SM), chunks of at least 64 keys."""
         return max(1, min(-(-n // 64), -(-2 * self.sms // (rows * self.hkv))))
-
-    @torch.inference_mode()
-    def _attend_agrees(self, module: ModuleType, device: torch.device) -> bool:
-        """Whether ``module.attend`` computes this step's SDPA call on a sample: 2 rows of 3
-        queries a key head over 320 keys, in 3 chunks."""
-        hkv, g, d = self.hkv, self.hq // self.hkv, self.d
-        dtype = self.dtype
-        gen = torch.Generator().manual_seed(6)
-        kv = [torch.randn(3, hkv, 384, d, generator=gen).to(device, dtype) for _ in "kv"]
-        q = torch.randn(2, hkv, g * 3, d, generator=gen).to(device, dtype)
-        limit = torch.tensor([[5, 6, 7], [300, 301, 302]], device=device)
-        sees = torch.arange(320, device=device)[None, None, :] < limit[:, :, None]
-        sees = sees[:, None, None].expand(2, 1, g, 3, 320).reshape(2, 1, g * 3, 320)
-        mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, -torch.inf)
-        want = F.scaled_dot_product_attention(
-            q, kv[0][:2, :, :320], kv[1][:2, :, :320], mask, scale=self.scaling
-        )
-        try:
-            got = module.attend(q, kv[0], kv[1], limit, 320, self.scaling, 3)
-        except Exception:  # a kernel that does not compile or launch on this device
-            return False
-        return close(got, want)
-
-    @torch.inference_mode()
-    def _qk_in_agrees(self, module: ModuleType, i: int, device: torch.device) -> bool:
-        """Whether ``module.qk_in`` does what :meth:`qk_torch` does for layer i on a sample:
-        2 rows of 3 tokens, into scratch slots."""
-        hq, hkv, d = self.hq, self.hkv, self.d
-        dtype = self.qkv[i].dtype
-        gen = torch.Generator().manual_seed(5)
-        qkv = torch.randn(6, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
-        pos = torch.tensor([[3, 4, 5, 0, 1, 2]], device=device)
-        cos, sin = self.inner.rotary_emb(qkv[None], pos)
-        write = torch.tensor([1, 1, 1, 0, 0, 0], device=device)
-        shape = (2, 3, hq, hkv, d)
-        caches = [torch.zeros(2, 2, hkv, 8, d, dtype=dtype, device=device) for _ in "ab"]
-        parts = qkv.split([hq * d, hkv * d, hkv * d], -1)
-        want = self.qk_torch(i, parts, cos, sin, (caches[0][0], caches[0][1]), write, pos[0], shape)
-        qn = self.qk_norms[i]
-        norms = (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
-        try:
-            got = module.qk_in(qkv, norms, cos[0], sin[0], caches[1][0], caches[1][1], write,
-                               pos[0], shape)  # fmt: skip
-        except Exception:  # a kernel that does not compile or launch on this device
-            return False
-        return close(got, want) and close(caches[1], caches[0])
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] of final hidden states [M, H]."""

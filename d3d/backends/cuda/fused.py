@@ -33,9 +33,7 @@ Letters: N new tokens, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -214,47 +212,3 @@ class GateUpMlp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g, u = F.linear(x, self.gate_up).split(self.inner, -1)
         return self.down(self.act(g) * u)
-
-
-def kernels_for(device: torch.device) -> ModuleType | None:
-    """:mod:`d3d.backends.cuda.kernels` where its Triton kernels can run on ``device``: a GPU
-    with Triton, or any device under ``TRITON_INTERPRET=1`` (Triton's interpreter, the tests);
-    else None."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return None
-    try:
-        from d3d.backends.cuda import kernels
-    except Exception:  # no Triton, or one that cannot load here: the torch forms
-        return None
-    return kernels
-
-
-@torch.inference_mode()
-def add_norm_agrees(kernels: ModuleType, norm: RmsNorm) -> bool:
-    """Whether ``kernels.add_norm`` computes ``h + delta`` and ``norm`` of it on a sample."""
-    gen = torch.Generator().manual_seed(3)
-    w = norm.weight
-    h, d = (torch.randn(3, w.shape[0], generator=gen).to(w.device, w.dtype) for _ in "hd")
-    want = h + d
-    return _agree(lambda: kernels.add_norm(h, d, w, norm.eps), lambda: norm(want), h, want)
-
-
-@torch.inference_mode()
-def silu_mul_agrees(kernels: ModuleType, mlp: GateUpMlp) -> bool:
-    """Whether ``kernels.silu_mul`` computes ``mlp``'s activation of gate times up on a sample."""
-    gen = torch.Generator().manual_seed(4)
-    w = mlp.gate_up
-    gu = (torch.randn(3, w.shape[0], generator=gen) * 4).to(w.device, w.dtype)
-    g, u = gu.split(mlp.inner, -1)
-    return _agree(lambda: kernels.silu_mul(gu), lambda: mlp.act(g) * u)
-
-
-def _agree(got: Callable, want: Callable, *pairs: torch.Tensor) -> bool:
-    """``got()`` and ``want()`` close, and each pair of ``pairs`` too, after both ran; False
-    where the kernel raises (it cannot run here)."""
-    try:
-        a = got()
-    except Exception:  # a kernel that does not compile or launch on this device
-        return False
-    b = want()
-    return close(a, b) and all(close(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))

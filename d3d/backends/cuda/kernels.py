@@ -23,7 +23,7 @@ Each rounds where the model's own code rounds (the sum before the norm, the norm
 before its weight, each product of the rotation before their sum), so it agrees with the torch
 forms it replaces to the last bit or so; the step takes a kernel only where a sample on the
 model's device and dtype agrees (``StaticForward``). This module imports Triton: it is imported
-by :func:`d3d.backends.cuda.fused.kernels_for` only where a GPU runs it, or where
+by :func:`d3d.backends.cuda.taken.kernels_for` only where a GPU runs it, or where
 ``TRITON_INTERPRET=1`` runs it on the CPU (the tests; Triton 3.6's interpreter cannot take a
 runtime loop bound with numpy 2.5, its own limit, not the kernels').
 
