@@ -121,6 +121,8 @@ def add_norm(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """``h += delta`` in place, and the RMSNorm of the sum with ``weight``: [N, H] each."""
+    if not h.is_contiguous():
+        raise ValueError("the residual stream is written in place: it must be contiguous")
     n, cols = h.shape
     block = triton.next_power_of_2(cols)
     x = torch.empty_like(h)
