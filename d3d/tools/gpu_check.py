@@ -25,7 +25,8 @@ ends (a run cut short keeps what it finished):
    branch miss (:func:`projection`), beside the paper's 5.00x.
 6. **memory** — the peak allocation against ``d3d plan``'s count (run right after decode).
    **profile** — the 1-row step's kernels by kind, eager and replayed, against its wall time
-   (:mod:`d3d.tools.step_profile`): where the time beyond the floor goes.
+   (:mod:`d3d.tools.step_profile`): where the time beyond the floor goes (run after the other
+   stages of the target: a profiler that fails hard on graph replays loses only itself).
 7. **vllm** — vLLM alone and with the D3D proposer on the same target, where vLLM is installed
    (:mod:`d3d.tools.gpu_vllm`; skipped otherwise, as on the lent check machines).
 
@@ -238,12 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     # the peak so far is the decode stage's widest step (the replay stages reset the peak)
     kv = args.context + 2 * st.BLOCK
     stage("memory", lambda: st.memory_against_plan(config, device, dtype, max(rows), kv))
-    stage("profile", lambda: step_profile(target, args.context, st.BLOCK))
     stage("drafters", lambda: _drafters(target, args, device, dtype, res))
     stage("exactness", lambda: _exactness(config, device, args))
     for s in services:
         stage(f"replay_{s.requests}", lambda s=s: _replay(target, name, config, s, time_left, res))
     stage("projection", lambda: _projection(res))
+    # last of the target's stages: a profiler that fails hard on graph replays loses only this
+    stage("profile", lambda: step_profile(target, args.context, st.BLOCK))
     target = None  # the vLLM stage builds its own copy
     gc.collect()
     if device.type == "cuda":
