@@ -138,6 +138,17 @@ def test_a_kernel_that_disagrees_or_raises_is_not_taken(monkeypatch):
     assert k.silu_mul == [True, True] and not k.add_norm
 
 
+def test_the_kernels_are_looked_for_on_a_gpu_and_can_be_turned_off(monkeypatch):
+    pytest.importorskip("triton")
+    from d3d.backends.cuda.taken import kernels_for
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert kernels_for(torch.device("cpu")) is None  # Triton cannot run here
+    assert kernels_for(torch.device("cuda", 0)).__name__ == "d3d.backends.cuda.kernels"
+    monkeypatch.setenv("D3D_CUDA_KERNELS", "0")
+    assert kernels_for(torch.device("cuda", 0)) is None
+
+
 class _Ops(TorchDispatchMode):
     """Operations that run a kernel (views are free), counted."""
 

@@ -48,7 +48,10 @@ class Kernels:
 def kernels_for(device: torch.device) -> ModuleType | None:
     """:mod:`d3d.backends.cuda.kernels` where its Triton kernels can run on ``device``: a GPU
     with Triton, or any device under ``TRITON_INTERPRET=1`` (Triton's interpreter, the tests);
-    else None."""
+    else None. ``D3D_CUDA_KERNELS=0`` turns them off (the torch forms throughout: a way round
+    a kernel that misbehaves on a GPU its sample could not catch, a device fault)."""
+    if os.environ.get("D3D_CUDA_KERNELS", "1") == "0":
+        return None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return None
     try:
