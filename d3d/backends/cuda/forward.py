@@ -167,13 +167,14 @@ class StaticForward:
         # one product for q, k, v and one for gate, up where fuse_projections laid them out
         self.qkv = [laid_out(x, x.self_attn.q_proj) if fused else None for x in self.layers]
         self.mlps = [mlp_of(x) if fused else x.mlp for x in self.layers]
-        self.dtype = dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        self.dtype = dtype = first.dtype
         self.rotate = (
             rope_of(self.rope, inner.rotary_emb, dtype, self.hq, self.hkv, self.d)
             if fused
             else own_rope(self.rope)
         )
-        device = next(model.parameters()).device
+        device = first.device
         cuda = device.type == "cuda"
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
         self.kernels = take(self, device) if fused and kernels else Kernels.none(len(self.layers))
@@ -183,18 +184,17 @@ class StaticForward:
         """The step's hidden states after the final norm, [B*T, H]; writes the new keys."""
         t = x.ids.shape[1]
         ids, pos = x.ids.reshape(-1), x.positions.reshape(1, -1)  # [N], [1, N]
-        # query t of a row sees the keys before length + t + 1: [B, T]; as a mask [B, T, n]
+        # query t of a row sees the keys before length + t + 1: [B, T]
         limit = x.lengths[:, None] + torch.arange(1, t + 1, device=ids.device)
-        sees = torch.arange(n, device=ids.device)[None, None, :] < limit[:, :, None]
         h = self.inner.embed_tokens(ids)  # [N, H]
-        return self.layers_over(h, pos, pos[0], sees, n, limit=limit)
+        return self.layers_over(h, pos, pos[0], None, n, limit=limit)
 
     def layers_over(
         self,
         h: torch.Tensor,
         pos: torch.Tensor,
         at: torch.Tensor,
-        sees: torch.Tensor,
+        sees: torch.Tensor | None,
         n: int,
         slots: torch.Tensor | None = None,
         limit: torch.Tensor | None = None,
@@ -202,34 +202,30 @@ class StaticForward:
         """The decoder layers and final norm over new tokens h [N, H] (N = B*T, row by row):
         rotary positions ``pos`` [1, N], each new key written at position ``at`` [N] of its
         row's slot, attention over the first n keys masked by ``sees`` [B, T, n] (True: may
-        attend). ``slots`` [B]: the rows' slots (None: slots 0 .. B-1, read in place; else
-        gathered, an eager step's rows). ``limit`` [B, T]: where ``sees`` is each query's
-        first keys, how many (the split attention kernel reads it in place of the mask).
-        Returns [N, H]."""
-        b, t = sees.shape[:2]
+        attend), or where ``sees`` is None, each query seeing its row's first ``limit`` [B, T]
+        keys (the split attention kernel reads the limit; SDPA a mask made from it). ``slots``
+        [B]: the rows' slots (None: slots 0 .. B-1, read in place; else gathered, an eager
+        step's rows). Returns [N, H]."""
+        b, t = (sees if sees is not None else limit).shape[:2]
         hq, hkv, d = self.hq, self.hkv, self.d
         g = hq // hkv
         cos, sin = self.inner.rotary_emb(h[None], pos)  # [1, N, D] each
         rows = torch.arange(b, device=h.device) if slots is None else slots
         write = rows.repeat_interleave(t)  # [N]: each new key's slot
-        # query (g, t) of a row: [B, 1, G*T, n], additive (made once, not by SDPA in every layer)
         k = self.kernels
-        split = k.attend and limit is not None and slots is None  # the split attention kernel
+        split = k.attend and sees is None and slots is None  # the split attention kernel
         if not split:
-            sees = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
-            mask = torch.zeros(sees.shape, dtype=h.dtype, device=h.device).masked_fill_(
-                ~sees, float("-inf")
-            )
+            if sees is None:
+                sees = torch.arange(n, device=h.device)[None, None, :] < limit[:, :, None]
+            mask = self.mask(sees, h.dtype)
         x = (self.norms[0][0] if self.layers else self.final_norm)(h)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             shape = (b, t, hq, hkv, d)
             if k.qk_in[i]:  # norms, rotation, KV writes and q's layout in one kernel
                 qkv = F.linear(x, self.qkv[i])
-                qn = self.qk_norms[i]
-                norms = (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
-                qb = k.module.qk_in(qkv, norms, cos[0], sin[0], self.keys[i], self.values[i],
-                                    write, at, shape)  # fmt: skip
+                qb = k.module.qk_in(qkv, self.qk_norm_args(i), cos[0], sin[0], self.keys[i],
+                                    self.values[i], write, at, shape)  # fmt: skip
             else:
                 if self.qkv[i] is not None:
                     q, kk, v = F.linear(x, self.qkv[i]).split([hq * d, hkv * d, hkv * d], -1)
@@ -249,10 +245,10 @@ class StaticForward:
             else:
                 o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
-            h, x = self.residual(k.add_norm, h, a.o_proj(o), self.norms[i][1])
+            h, x = self.residual(h, a.o_proj(o), self.norms[i][1])
             last = i + 1 == len(self.layers)
             nxt = self.final_norm if last else self.norms[i + 1][0]
-            h, x = self.residual(k.add_norm, h, self.mlp_out(i, x), nxt)
+            h, x = self.residual(h, self.mlp_out(i, x), nxt)
         return x
 
     def qk_torch(self, i: int, qkv: tuple[torch.Tensor, ...], cos: torch.Tensor,
@@ -282,13 +278,29 @@ class StaticForward:
             return mlp.down(self.kernels.module.silu_mul(F.linear(x, mlp.gate_up)))
         return mlp(x)
 
-    def residual(self, kernel: bool, h: torch.Tensor, delta: torch.Tensor,
+    def residual(self, h: torch.Tensor, delta: torch.Tensor,
                  norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``h + delta`` and the next norm of it (one kernel where ``kernel``: h in place)."""
-        if kernel:
+        """``h + delta`` and the next norm of it (one kernel where taken: h in place)."""
+        if self.kernels.add_norm:
             return h, self.kernels.module.add_norm(h, delta, norm.weight, norm.eps)
         h = h + delta
         return h, norm(h)
+
+    def mask(self, sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """SDPA's additive mask [B, 1, G*T, n] for query (g, t) of a row from ``sees``
+        [B, T, n] (made once a step, not by SDPA in every layer)."""
+        b, t, n = sees.shape
+        g = self.hq // self.hkv
+        sees = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+        return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(
+            ~sees, float("-inf")
+        )
+
+    def qk_norm_args(self, i: int) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Layer i's per-head norms as :func:`d3d.backends.cuda.kernels.qk_in` takes them: q's
+        weight, k's weight, eps (None: the model has none)."""
+        qn = self.qk_norms[i]
+        return (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
 
     def splits(self, rows: int, n: int) -> int:
         """Chunks the split attention cuts n keys into for ``rows`` rows: enough programs to keep

@@ -125,17 +125,13 @@ def _attend_agrees(step: StaticForward, module: ModuleType, device: torch.device
     kv = [torch.randn(3, hkv, 384, d, generator=gen).to(device, dtype) for _ in "kv"]
     q = torch.randn(2, hkv, g * 3, d, generator=gen).to(device, dtype)
     limit = torch.tensor([[5, 6, 7], [300, 301, 302]], device=device)
-    sees = torch.arange(320, device=device)[None, None, :] < limit[:, :, None]
-    sees = sees[:, None, None].expand(2, 1, g, 3, 320).reshape(2, 1, g * 3, 320)
-    mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, -torch.inf)
-    want = F.scaled_dot_product_attention(
-        q, kv[0][:2, :, :320], kv[1][:2, :, :320], mask, scale=step.scaling
+    mask = step.mask(torch.arange(320, device=device)[None, None, :] < limit[:, :, None], dtype)
+    return _agree(
+        lambda: module.attend(q, kv[0], kv[1], limit, 320, step.scaling, 3),
+        lambda: F.scaled_dot_product_attention(
+            q, kv[0][:2, :, :320], kv[1][:2, :, :320], mask, scale=step.scaling
+        ),
     )
-    try:
-        got = module.attend(q, kv[0], kv[1], limit, 320, step.scaling, 3)
-    except Exception:  # a kernel that does not compile or launch on this device
-        return False
-    return close(got, want)
 
 
 @torch.inference_mode()
@@ -153,11 +149,6 @@ def _qk_in_agrees(step: StaticForward, module: ModuleType, i: int, device: torch
     caches = [torch.zeros(2, 2, hkv, 8, d, dtype=dtype, device=device) for _ in "ab"]
     parts = qkv.split([hq * d, hkv * d, hkv * d], -1)
     want = step.qk_torch(i, parts, cos, sin, (caches[0][0], caches[0][1]), write, pos[0], shape)
-    qn = step.qk_norms[i]
-    norms = (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
-    try:
-        got = module.qk_in(qkv, norms, cos[0], sin[0], caches[1][0], caches[1][1], write,
-                           pos[0], shape)  # fmt: skip
-    except Exception:  # a kernel that does not compile or launch on this device
-        return False
-    return close(got, want) and close(caches[1], caches[0])
+    norms = step.qk_norm_args(i)
+    kernel = (qkv, norms, cos[0], sin[0], caches[1][0], caches[1][1], write, pos[0], shape)
+    return _agree(lambda: module.qk_in(*kernel), lambda: want, caches[1], caches[0])
