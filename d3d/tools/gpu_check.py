@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         stage(f"replay_{s.requests}", lambda s=s: _replay(target, name, config, s, time_left, res))
     stage("projection", lambda: _projection(res))
     # last of the target's stages: a profiler that fails hard on graph replays loses only this
-    stage("profile", lambda: step_profile(target, args.context, st.BLOCK))
+    stage("profile", lambda: step_profile(target, args.context))
     target = None  # the vLLM stage builds its own copy
     gc.collect()
     if device.type == "cuda":

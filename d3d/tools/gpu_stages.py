@@ -47,6 +47,7 @@ from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.backends.hf import trim_cache
 from d3d.backends.reference import ReferenceBackend
 from d3d.backends.sizes import kv_bytes_per_token
+from d3d.backends.slabs import KvRow
 from d3d.engine.calibration import median_seconds
 from d3d.model.drafter import D3DDrafter
 from d3d.model.memory import param_bytes
@@ -134,10 +135,7 @@ def decode_steps(
     out: dict = {"backend": type(target).__name__, "context": context, "rows": {}}
     out["sample"] = backend.report(model)  # the load-time check against the reference
     for r in rows:
-        opened = [target.kv.open(context + BLOCK) for _ in range(r)]
-        for row in opened:
-            target.kv.ensure(row, context)
-            target.kv.commit(row, context)
+        opened = [row_after(target, context) for _ in range(r)]
         step = median_ms(lambda r=r, o=opened: target.forward(o, [[1]] * r), device, repeats)
         verify = median_ms(
             lambda r=r, o=opened: target.forward(o, [[1] * BLOCK] * r), device, repeats
@@ -155,26 +153,15 @@ def decode_steps(
         for row in opened:
             target.kv.close(row)
     one = out["rows"].get("1")
-    if one and isinstance(target, CudaTarget):  # what the fused forms buy (d3d.backends.cuda.fused)
-        plain = CudaTarget(model, StaticKV.shaped(model, budget // most, 1), block=BLOCK,
-                           graphs=graphs, fused=False)  # fmt: skip
-        row = plain.kv.open(context + BLOCK)
-        plain.kv.ensure(row, context)
-        plain.kv.commit(row, context)
-        one["unfused_step_ms"] = median_ms(lambda: plain.forward([row], [[1]]), device, repeats)
-        one["unfused_over_fused"] = round(one["unfused_step_ms"] / one["step_ms"], 3)
-        del plain
+    if one and isinstance(target, CudaTarget):
+        # what the fused forms buy (d3d.backends.cuda.fused): the step in the model's own forms;
         # what the Triton kernels buy (d3d.backends.cuda.kernels): the fused torch forms alone
-        torch_forms = CudaTarget(model, StaticKV.shaped(model, budget // most, 1), block=BLOCK,
-                                 graphs=graphs, kernels=False)  # fmt: skip
-        row = torch_forms.kv.open(context + BLOCK)
-        torch_forms.kv.ensure(row, context)
-        torch_forms.kv.commit(row, context)
-        one["torch_forms_step_ms"] = median_ms(
-            lambda: torch_forms.forward([row], [[1]]), device, repeats
-        )
-        one["torch_forms_over_kernels"] = round(one["torch_forms_step_ms"] / one["step_ms"], 3)
-        del torch_forms
+        for name, over, forms in (
+            ("unfused", "unfused_over_fused", {"fused": False}),
+            ("torch_forms", "torch_forms_over_kernels", {"kernels": False}),
+        ):
+            ms = one_row_step_ms(model, budget // most, context, graphs, repeats, **forms)
+            one[f"{name}_step_ms"], one[over] = ms, round(ms / one["step_ms"], 3)
     for r in rows:
         if one and r != 1:
             out["rows"][str(r)]["step_over_one_row"] = round(
@@ -185,6 +172,31 @@ def decode_steps(
     out["read_bytes"] = weights
     out["kv_bytes_per_token"] = per_token
     return out
+
+
+def one_row_step_ms(model, capacity: int, context: int, graphs: bool, repeats: int,
+                    **forms: bool) -> float:  # fmt: skip
+    """A 1-row plain step's median time after ``context`` tokens, through a target of its own
+    built with ``forms`` (``fused`` / ``kernels`` of :class:`CudaTarget`)."""
+    device = next(model.parameters()).device
+    target = CudaTarget(model, StaticKV.shaped(model, capacity, 1), block=BLOCK, graphs=graphs,
+                        **forms)  # fmt: skip
+    row = row_after(target, context)
+    return median_ms(lambda: target.forward([row], [[1]]), device, repeats)
+
+
+def row_after(target: CudaTarget, context: int) -> KvRow:
+    """A row of ``target`` holding ``context`` tokens by length (what its KV holds does not
+    change a step's time), with room for a verify after them."""
+    row = target.kv.open(context + BLOCK)
+    target.kv.ensure(row, context)
+    target.kv.commit(row, context)
+    return row
+
+
+def rows_equal(a: Sequence[list[int]], b: Sequence[list[int]]) -> int:
+    """Rows whose greedy tokens are the same in ``a`` and ``b``."""
+    return sum(x == y for x, y in zip(a, b, strict=True))
 
 
 def kernels_taken(step) -> dict:
@@ -303,11 +315,11 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
         "against": "eager cuda steps" if on_gpu else "the reference backend (no GPU)",
         "rows": rows,
         "steps": steps,
-        "rows_equal": sum(x == y for x, y in zip(a, b, strict=True)),
+        "rows_equal": rows_equal(a, b),
         "graphs": fast.runner.captured if isinstance(fast, CudaTarget) else 0,
-        "two_threads_rows_equal": [sum(x == y for x, y in zip(o, b, strict=True)) for o in both],
+        "two_threads_rows_equal": [rows_equal(o, b) for o in both],
         "kernels": kernels_taken(getattr(fast, "step", None)),
-        "torch_forms_rows_equal": sum(x == y for x, y in zip(a, c, strict=True)),
+        "torch_forms_rows_equal": rows_equal(a, c),
     }
 
 

@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from d3d.backends.cuda import CudaTarget
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
+from d3d.tools.gpu_stages import BLOCK, row_after
 
 KINDS = (
     ("triton", re.compile(r"_add_norm|_qk_in|_silu_mul")),
@@ -43,7 +44,7 @@ def kind_of(name: str) -> str:
 
 
 @torch.inference_mode()
-def step_profile(model, context: int, block: int, steps: int = 5) -> dict:
+def step_profile(model, context: int, steps: int = 5) -> dict:
     """The 1-row step's kernels, eager and (on a GPU) replayed, per step (module docstring)."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -51,11 +52,9 @@ def step_profile(model, context: int, block: int, steps: int = 5) -> dict:
     for name, graphs in (("eager", False), ("graphs", True)):
         if graphs and not cuda:
             continue
-        kv = StaticKV.shaped(model, max(context + 2 * block, MIN_CAPACITY), 1)
-        target = CudaTarget(model, kv, block=block, graphs=graphs)
-        row = target.kv.open(context + block)
-        target.kv.ensure(row, context)
-        target.kv.commit(row, context)
+        kv = StaticKV.shaped(model, max(context + 2 * BLOCK, MIN_CAPACITY), 1)
+        target = CudaTarget(model, kv, block=BLOCK, graphs=graphs)
+        row = row_after(target, context)
         for _ in range(3):  # warm-up; the graph captured
             target.forward([row], [[1]])
         _sync(device)
