@@ -21,13 +21,12 @@ import torch
 
 from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
-from d3d.backends.cuda.forward import StepInputs
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.backends.cuda.taken import Kernels
 from d3d.model.adapters import AdapterConfig
 from d3d.model.drafter import D3DDrafter
 from tests.conftest import tiny_model
-from tests.engine.test_cuda_fused import _Ops
+from tests.engine.test_cuda_fused import _ops_a_step
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_cuda_kernels.py"
@@ -112,15 +111,7 @@ def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype, ad
 
 def _launches_a_step(layers: int) -> collections.Counter:
     """Operations a plain 2-row step launches: torch's (views free) and the Triton kernels'."""
-    model = tiny_model("qwen3", seed=6, layers=layers)
-    CudaBackend(graphs=False).prepare(model)
-    t = CudaBackend(graphs=False, trust=True).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
-    module = t.step.kernels.module
-    x = StepInputs.empty(2, 1, torch.device("cpu"))
-    x.fill(torch.tensor([[1], [2]]), torch.tensor([3, 4]))
-    with _Ops() as ops, _counting(module, ops.count):
-        t.step(x, 256)
-    return ops.count
+    return _ops_a_step(layers, lambda t, count: _counting(t.step.kernels.module, count))
 
 
 @contextlib.contextmanager

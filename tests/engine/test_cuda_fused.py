@@ -5,6 +5,7 @@ decode step that launches few operations a layer."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import types
 
 import pytest
@@ -167,13 +168,15 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops_a_step(layers: int) -> collections.Counter:
+def _ops_a_step(layers: int, also=None) -> collections.Counter:
+    """Operations a plain 2-row step runs; ``also(target, count)``: a context that counts
+    more (the Triton kernels' launches, interpreted_kernels.py)."""
     model = tiny_model("qwen3", seed=6, layers=layers)
     CudaBackend(graphs=False).prepare(model)  # the projections laid out for one product each
     t = CudaBackend(graphs=False, trust=True).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
     x = StepInputs.empty(2, 1, torch.device("cpu"))
     x.fill(torch.tensor([[1], [2]]), torch.tensor([3, 4]))
-    with _Ops() as ops:
+    with _Ops() as ops, also(t, ops.count) if also else contextlib.nullcontext():
         t.step(x, 256)
     return ops.count
 
