@@ -19,11 +19,11 @@ operators in place of kernels, so the code is exercised; its figures are not a G
 from __future__ import annotations
 
 import re
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from d3d.backends.clock import Clock
 from d3d.backends.cuda import CudaTarget
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
 from d3d.tools.gpu_stages import BLOCK, row_after
@@ -48,6 +48,7 @@ def step_profile(model, context: int, steps: int = 5) -> dict:
     """The 1-row step's kernels, eager and (on a GPU) replayed, per step (module docstring)."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
+    clock = Clock([device])  # reads the time after the device's queued work
     out: dict = {"context": context, "steps": steps}
     for name, graphs in (("eager", False), ("graphs", True)):
         if graphs and not cuda:
@@ -57,14 +58,13 @@ def step_profile(model, context: int, steps: int = 5) -> dict:
         row = row_after(target, context)
         for _ in range(3):  # warm-up; the graph captured
             target.forward([row], [[1]])
-        _sync(device)
+        clock.sync()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
+            t0 = clock.now()
             for _ in range(steps):
                 target.forward([row], [[1]])
-            _sync(device)
-            wall = (time.perf_counter() - t0) / steps
+            wall = (clock.now() - t0) / steps
         out[name] = _summary(prof.key_averages(), steps, wall, cuda)
         target.kv.close(row)
         del target, kv
@@ -97,8 +97,3 @@ def _summary(events, steps: int, wall_s: float, cuda: bool) -> dict:
         "by_kind_us": {k: round(v, 1) for k, v in sorted(by_kind.items())},
         "top": [{"name": k[:120], "per_step": round(n, 2), "us": round(us, 1)} for k, n, us in top],
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
