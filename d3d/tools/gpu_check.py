@@ -19,7 +19,8 @@ ends (a run cut short keeps what it finished):
 5. **replay** — the engine serving requests in ``ar``, ``sync`` and ``async`` with the replay
    drafter at the paper's acceptance (``replay:7.88``: a measurement instrument, the target's
    own recorded tokens corrupted to that mean acceptance, :mod:`d3d.replay`), at 1 and 16
-   rows on this one GPU (:mod:`d3d.tools.gpu_service`); and the two-GPU figure projected from
+   rows on this one GPU (:mod:`d3d.tools.gpu_service`: each mode run once unmeasured first,
+   so no graph is captured in the measured time); and the two-GPU figure projected from
    the measured primitives: with the drafter on its own GPU a round is hidden when it fits
    inside a verify, so a round costs max(verify, packed round) plus the drafter's block on a
    branch miss (:func:`projection`), beside the paper's 5.00x.
@@ -285,9 +286,10 @@ def _exactness(config: dict, device: torch.device, args) -> dict:
 
 
 def _replay(target, name: str, config: dict, s: ServiceSettings, time_left, res: dict) -> dict:
-    # on a GPU the cuda backend, timed even where its bf16 sample is off (decode.sample says)
+    # the cuda backend (eager on a CPU, as the decode stage), timed on a GPU even where its
+    # bf16 sample is off (decode.sample says)
     gpu = next(target.parameters()).device.type == "cuda"
-    got = run_service(target, name, config, s, time_left, CudaBackend(trust=True) if gpu else None)
+    got = run_service(target, name, config, s, time_left, CudaBackend(graphs=gpu, trust=gpu))
     res["errors"] += [f"replay {s.requests} rows {e}" for e in service_errors(got)]
     return got
 

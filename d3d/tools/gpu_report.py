@@ -90,9 +90,10 @@ def table(res: dict) -> str:
             if r.get("speedup_vs_ar") is not None:
                 goal = ">= 4x" if mode == "sync" and n == "1" else ""
                 lines.append(
-                    f"| replay (instrument) {mode}, {n} row(s) | {r['speedup_vs_ar']}x ar | "
-                    f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')} | "
-                    f"{goal} |"
+                    f"| replay (instrument) {mode}, {n} row(s): decoding (end to end) | "
+                    f"{r.get('decode_speedup_vs_ar')}x ({r['speedup_vs_ar']}x) ar | "
+                    f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')}, "
+                    f"new shapes {r.get('new_shapes')} | {goal} |"
                 )
         most = {m: ((modes.get(m) or {}).get("syncs_per_decode_step") or {}).get("max")
                 for m in ("ar", "sync", "async")}  # fmt: skip

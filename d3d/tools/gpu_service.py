@@ -6,10 +6,13 @@ the engine's own way (:func:`~d3d.engine.build_drafter`: ``self:5``, the target'
 layers sharing their tensors; or ``replay:7.88``, the replay instrument the GPU check runs, whose
 ``ar`` stage records the outputs the other modes replay), and sends ``requests`` concurrent
 requests through the engine's one scheduler, stepping it until it is idle (the KV budget admits
-every row at once). Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts:
+every row at once). Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the same prompts
+(:func:`~d3d.tools.service_modes.run_mode` runs one mode and records what it did):
 
 - aggregate throughput (generated tokens over the stage's wall time, prompts included) and the
-  decode-only rate (tokens over the steps that read no prompt), and the ratio to ``ar``;
+  decode-only rate (tokens over the steps that read no prompt), each as a ratio to ``ar``'s
+  (``speedup_vs_ar``, end to end; ``decode_speedup_vs_ar``, the decoding the paper's speed-ups
+  measure);
 - steps, and per decode step its time and its verify forward's time (the scheduler's
   ``last_verify_s``), with the forward's width, and the engine thread's host-device waits in it
   (:mod:`d3d.tools.syncs`; not the clock's around it; the worker's as totals);
@@ -20,6 +23,10 @@ every row at once). Each mode (``ar``, ``sync``, ``async``, ``auto``) gets the s
 - the peak memory per device (``torch.cuda.max_memory_allocated``; None on a CPU), beside
   what ``d3d plan`` predicts for the same shapes (:mod:`d3d.tools.plan`).
 
+Each mode is run once over the same requests before it is measured, so the measured run meets
+no step shape it has not met (on the cuda backend a new shape is a graph warmed up and captured
+inside the measured time, and the decode stage's context differs from the service's); the
+measured run says how many it met anyway (``new_shapes``: 0 is a steady-state figure).
 EOS is switched off by the caller's config, so every request runs to its budget and the token
 counts of the modes are equal. Timings come from the engine's own clock, which synchronises the
 devices (:class:`~d3d.backends.clock.Clock`). A stage that passes its time limit cancels its
@@ -29,25 +36,20 @@ reported with its error, and the next stage still runs.
 
 from __future__ import annotations
 
-import gc
 import json
-import statistics
 import tempfile
-import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from d3d.backends import Backend
-from d3d.backends.clock import Clock
 from d3d.backends.cuda.kv import MIN_CAPACITY
 from d3d.config import DEFAULT_BLOCK_SIZE, MODES, ModelConfig
-from d3d.decoding.stats import DecodeStats
-from d3d.engine import Engine, GenRequest, PrefillBudget, build_drafter, check_device
+from d3d.engine import Engine, PrefillBudget, build_drafter, check_device
 from d3d.model.load import LoadedModel
 from d3d.tools.plan import PlanSettings, make_plan
-from d3d.tools.syncs import SyncCounter
+from d3d.tools.service_modes import run_mode
 from d3d.worker import ServerConfig
 
 
@@ -82,30 +84,6 @@ class ServiceSettings:
     @property
     def needs_drafter(self) -> bool:
         return any(m != "ar" for m in self.modes)
-
-
-def _peaks(engine: Engine) -> dict[str, int] | None:
-    devs = engine.clock.cuda
-    return {str(d): int(torch.cuda.max_memory_allocated(d)) for d in devs} if devs else None
-
-
-def _reset_peaks(engine: Engine) -> None:
-    gc.collect()
-    for d in engine.clock.cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(d)
-
-
-def _spread(values: list[float], digits: int = 3) -> dict | None:
-    """Median, 90th percentile, min and max of ``values`` (None when empty)."""
-    if not values:
-        return None
-    v = sorted(values)
-    p90 = v[min(len(v) - 1, int(0.9 * len(v)))]
-    return {
-        k: round(x, digits)
-        for k, x in (("median", statistics.median(v)), ("p90", p90), ("min", v[0]), ("max", v[-1]))
-    }
 
 
 def build_engine(model, name: str, s: ServiceSettings, backend: Backend | None = None) -> Engine:
@@ -168,132 +146,6 @@ def predict_memory(name: str, config: dict, s: ServiceSettings, engine: Engine) 
     }
 
 
-@dataclass
-class _Request:
-    """One request's tokens and end, as the engine's callbacks report them."""
-
-    clock: Clock
-    tokens: list[int] = field(default_factory=list)
-    first_at: float | None = None
-    stats: DecodeStats | None = None
-    error: BaseException | None = None
-
-    def on_tokens(self, tokens: list[int]) -> None:
-        if self.first_at is None:
-            self.first_at = self.clock.now()
-        self.tokens += tokens
-
-    def on_finish(self, stats: DecodeStats, error: BaseException | None) -> None:
-        self.stats, self.error = stats, error
-
-
-@dataclass(frozen=True)
-class _Step:
-    seconds: float
-    verify_s: float | None  # the scheduler's last_verify_s: None when the step read a prompt
-    tokens: int  # emitted by the step
-    rows: int  # running when it began
-    syncs: int = 0  # host-device waits the engine's thread made in it (d3d.tools.syncs)
-
-
-@dataclass
-class ModeRun:
-    """What one mode's stage did: its steps and its requests (:meth:`summary` for the JSON)."""
-
-    mode: str
-    requests: list[_Request]
-    steps: list[_Step]
-    wall_s: float
-    t0: float
-    timed_out: bool
-    peaks: dict[str, int] | None
-    other_syncs: dict[str, int] = field(default_factory=dict)  # other threads' (the worker's)
-
-    @property
-    def outputs(self) -> list[list[int]]:
-        return [r.tokens for r in self.requests]
-
-    def summary(self) -> dict:
-        stats = [r.stats for r in self.requests if r.stats is not None]
-        errors = sorted({f"{type(r.error).__name__}: {r.error}" for r in self.requests if r.error})
-        tokens = sum(len(r.tokens) for r in self.requests)
-        decode = [s for s in self.steps if s.verify_s is not None]
-        decode_s = sum(s.seconds for s in decode)
-        drafts = sum(st.num_drafts for st in stats)
-        accepted = sum(st.num_accepted_tokens for st in stats)
-        reasons: dict[str, int] = {}
-        for st in stats:
-            reasons[st.stop_reason] = reasons.get(st.stop_reason, 0) + 1
-        return {
-            "mode": self.mode,
-            "requests": len(self.requests),
-            "finished": sum(st.stop_reason in ("length", "eos") for st in stats),
-            "timed_out": self.timed_out,
-            "errors": errors,
-            "stop_reasons": reasons,
-            "wall_s": round(self.wall_s, 3),
-            "tokens": tokens,
-            "tok_s": round(tokens / self.wall_s, 2) if self.wall_s > 0 else None,
-            "decode_tok_s": round(sum(s.tokens for s in decode) / decode_s, 2)
-            if decode_s
-            else None,
-            "steps": len(self.steps),
-            "decode_steps": len(decode),
-            "prefill_steps": len(self.steps) - len(decode),
-            "step_ms": _spread([s.seconds * 1e3 for s in decode]),
-            "syncs_per_decode_step": _spread([float(s.syncs) for s in decode], 1),
-            "other_threads_syncs": self.other_syncs,
-            "verify_ms": _spread([s.verify_s * 1e3 for s in decode if s.verify_s is not None]),
-            "rows_per_decode_step": _spread([float(s.rows) for s in decode], 1),
-            "ttft_s": _spread([r.first_at - self.t0 for r in self.requests if r.first_at]),
-            "num_drafts": drafts,
-            "num_draft_tokens": sum(st.num_draft_tokens for st in stats),
-            "num_accepted_tokens": accepted,
-            "acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
-            "draft_wait_s": round(sum(st.draft_seconds for st in stats), 3),
-            "branch_hits": sum(st.branch_hits for st in stats),
-            "branch_misses": sum(st.branch_misses for st in stats),
-            "worker_failures": sum(st.worker_failures for st in stats),
-            "peak_memory_bytes": self.peaks,
-        }
-
-
-def run_mode(
-    engine: Engine, mode: str, prompts: list[list[int]], new_tokens: int, limit_s: float
-) -> ModeRun:
-    """Every prompt as one request of ``mode``, all at once through the engine's scheduler,
-    stepped until idle (cancelled once ``limit_s`` has passed)."""
-    sched, clock = engine.scheduler(), engine.clock
-    requests = [_Request(clock) for _ in prompts]
-    reqs = [
-        GenRequest(list(p), new_tokens, mode=mode, on_tokens=r.on_tokens, on_finish=r.on_finish)
-        for p, r in zip(prompts, requests, strict=True)
-    ]
-    _reset_peaks(engine)
-    t0 = clock.now()
-    for req in reqs:
-        sched.add(req)
-    steps: list[_Step] = []
-    timed_out = False
-    with SyncCounter() as syncs:
-        while not sched.idle:
-            if not timed_out and clock.now() - t0 > limit_s:
-                timed_out = True
-                for req in reqs:
-                    req.cancel()  # dropped at the next step
-            before = sum(len(r.tokens) for r in requests)
-            rows, a = len(sched.rows), clock.now()
-            syncs.take()  # the clock's own wait is not the step's
-            sched.step()
-            n = syncs.take()
-            after = sum(len(r.tokens) for r in requests)
-            steps.append(_Step(clock.now() - a, sched.last_verify_s, after - before, rows, n))
-    wall = clock.now() - t0
-    me = threading.current_thread().name  # its leftovers are the clock's waits
-    others = {k: v for k, v in syncs.by_thread.items() if k != me}
-    return ModeRun(mode, requests, steps, wall, t0, timed_out, _peaks(engine), others)
-
-
 def run_service(
     model, name: str, config: dict, s: ServiceSettings, time_left, backend: Backend | None = None
 ) -> dict:
@@ -322,8 +174,11 @@ def run_service(
     ]
     try:
         t0 = engine.clock.now()
-        for mode in s.modes:  # first forwards, the worker's start: outside the measurement
-            run_mode(engine, mode, [prompts[0][:32]], 4, max(time_left() - 5, 1))
+        warm = out["warmup"] = {}
+        for mode in s.modes:  # the measured run's shapes, the worker's start: not measured
+            left = min(s.stage_seconds, max(time_left() - 5, 1))
+            run = run_mode(engine, mode, prompts, s.new_tokens, left)
+            warm[mode] = {"wall_s": round(run.wall_s, 3), "new_shapes": run.new_shapes}
         out["warmup_s"] = round(engine.clock.now() - t0, 3)
         reference: list[list[int]] | None = None
         for mode in s.modes:
@@ -348,12 +203,14 @@ def run_service(
 
 
 def _compare(out: dict) -> None:
-    """Each mode's throughput over ``ar``'s, and the measured peak beside the plan's."""
+    """Each mode's throughput over ``ar``'s (end to end, and decoding alone), and the measured
+    peak beside the plan's."""
     modes = out["modes"]
-    ar = modes.get("ar", {}).get("tok_s")
-    for res in modes.values():
-        if ar and res.get("tok_s"):
-            res["speedup_vs_ar"] = round(res["tok_s"] / ar, 3)
+    for key, ratio in (("tok_s", "speedup_vs_ar"), ("decode_tok_s", "decode_speedup_vs_ar")):
+        ar = modes.get("ar", {}).get(key)
+        for res in modes.values():
+            if ar and res.get(key):
+                res[ratio] = round(res[key] / ar, 3)
     peaks: dict[str, int] = {}
     for res in modes.values():
         for dev, b in (res.get("peak_memory_bytes") or {}).items():
@@ -380,16 +237,17 @@ def service_table(out: dict) -> list[str]:
         return []
     lines = [
         "",
-        "| mode | tok/s | decode tok/s | vs ar | steps | verify ms | accept | matches ar | "
-        "timed out |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| mode | tok/s | decode tok/s | vs ar (decode) | steps | new shapes | verify ms | accept "
+        "| matches ar | timed out |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for mode, r in out["modes"].items():
         verify = (r.get("verify_ms") or {}).get("median")
         lines.append(
-            f"| {mode} | {r.get('tok_s')} | {r.get('decode_tok_s')} | {r.get('speedup_vs_ar')} | "
-            f"{r.get('steps')} | {verify} | {r.get('acceptance_length')} | "
-            f"{r.get('matches_ar', '-')} | {r.get('timed_out', r.get('skipped'))} |"
+            f"| {mode} | {r.get('tok_s')} | {r.get('decode_tok_s')} | {r.get('speedup_vs_ar')} "
+            f"({r.get('decode_speedup_vs_ar')}) | {r.get('steps')} | {r.get('new_shapes')} | "
+            f"{verify} | {r.get('acceptance_length')} | {r.get('matches_ar', '-')} | "
+            f"{r.get('timed_out', r.get('skipped'))} |"
         )
     gib = 2**30
     mem = out.get("memory") or {}

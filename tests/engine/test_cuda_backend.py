@@ -161,6 +161,21 @@ def test_every_mode_through_the_cuda_step_equals_ar(kind, rows):
         engine.close()
 
 
+def test_eager_steps_count_the_shapes_graphs_would_capture():
+    """The GPU check's ``new_shapes`` (a graph captured inside a measured run) reads the same
+    count on a CPU: a shape per (rows bucket, width, keys attended), repeats not counted."""
+    model = tiny_model("qwen3", seed=1)
+    t = CudaBackend(graphs=False).target(model, 8 * MIN_CAPACITY, rows=4, block=6)
+    rows = [t.kv.open(200) for _ in range(3)]
+    met = []
+    for widths in ((7, 3, 12), (1, 1, 1), (6, 1, 6), (1, 1, 1), (1, 1)):
+        t.forward(rows[: len(widths)], [[1] * w for w in widths])
+        for row, w in zip(rows, widths, strict=False):
+            t.kv.commit(row, w)
+        met.append(t.runner.shapes)
+    assert met == [0, 1, 2, 2, 2]  # a prompt step is eager; T 1, then T 6; B stays 4 (3 live)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -179,8 +194,9 @@ def test_captured_steps_give_the_eager_steps_logits():
             for row, w in zip(rows, widths, strict=True):
                 t.kv.commit(row, w)
         steps[graphs] = outs
+        assert t.runner.shapes == 2  # (B 4, T 1) and (B 4, T 6), n 256: captured or not
         if graphs:
-            assert t.runner.captured == 2  # (B 4, T 1) and (B 4, T 6), n 256
+            assert t.runner.captured == 2
     for a, b in zip(steps[True], steps[False], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

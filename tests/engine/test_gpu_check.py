@@ -70,12 +70,17 @@ def test_script_tiny_runs_every_stage(tmp_path):
         svc = res[key]
         assert svc["settings"]["requests"] == rows and "replay" in svc["settings"]["drafter"]
         assert set(svc["modes"]) == {"ar", "sync", "async"}
+        # each mode ran once unmeasured: the measured runs meet no new step shape (on a GPU a
+        # graph captured in the measured time), while the unmeasured ones met the shapes
+        assert all(r["new_shapes"] == 0 for r in svc["modes"].values()), key
+        assert svc["warmup"]["ar"]["new_shapes"] > 0 and svc["warmup"]["sync"]["new_shapes"] > 0
         for mode in ("sync", "async"):
             r = svc["modes"][mode]
             assert r["matches_ar"] == rows, (key, mode)  # lossless, float32
             assert r["errors"] == [] and not r["timed_out"]
             assert r["syncs_per_decode_step"] is not None  # counted on CUDA only (0 here)
             assert 6.5 <= r["acceptance_length"] <= 9.0, (key, mode, r["acceptance_length"])
+            assert r["decode_speedup_vs_ar"] > 0 and r["speedup_vs_ar"] > 0
         assert svc["modes"]["async"]["branch_hits"] > 0
     for pr in res["projection"].values():
         assert pr["speedup_vs_ar"] > 0 and pr["paper_speedup"] == 5.0

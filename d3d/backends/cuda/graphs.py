@@ -43,14 +43,21 @@ def shape_key(inputs: Any, n: int) -> tuple:
 
 
 class Eager:
-    """Runs the step each time."""
+    """Runs the step each time; counts the shapes it met, as :class:`Graphs` does."""
 
     captured = 0
 
     def __init__(self, step: Step):
         self.step = step
+        self.seen: set[tuple] = set()
+
+    @property
+    def shapes(self) -> int:
+        """Shapes met so far (where :class:`Graphs` would have captured a graph for each)."""
+        return len(self.seen)
 
     def run(self, inputs: Any, n: int) -> torch.Tensor:
+        self.seen.add(shape_key(inputs, n))
         return self.step(inputs, n)
 
 
@@ -65,6 +72,12 @@ class Graphs:
 
     @property
     def captured(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def shapes(self) -> int:
+        """Shapes met so far: a graph captured for each (a step that met a new one paid for
+        its warm-up and capture)."""
         return len(self.graphs)
 
     def run(self, inputs: Any, n: int) -> torch.Tensor:
