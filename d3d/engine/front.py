@@ -6,7 +6,8 @@ fits the target (same vocabulary), and owns what outlives a request: the one
 :class:`~d3d.engine.scheduler.Scheduler` every request decodes through, the drafter worker
 (:mod:`d3d.engine.drafter_host`), the host's measured costs that ``auto`` decides from
 (:class:`d3d.decoding.policy.HostCosts`) and the prefix cache. Each request gets a proposer for
-its mode: ``ar`` (the target alone), ``sync`` (draft, then verify), ``async`` (blocks prepared by
+its mode: ``ar`` (the target alone), ``sync`` (draft, then verify: in this process, or on the
+worker where it drafts every row's block in one forward), ``async`` (blocks prepared by
 the worker during verification), ``auto`` (speculation and copy rounds only where they pay;
 async when a worker runs, else sync).
 """
@@ -51,6 +52,7 @@ from d3d.replay import ReplayDrafter
 from d3d.worker.modes import ModeKit
 from d3d.worker.proposer import BatchedLink
 from d3d.worker.supervisor import Supervisor
+from d3d.worker.workers import drafts_rows_together
 
 log = logging.getLogger(__name__)
 
@@ -224,16 +226,19 @@ class Engine:
         why = self.speculation.refusal(mode)
         if why is not None:
             raise DrafterError(why)
+        on_worker = self.drafter is not None and drafts_rows_together(self.drafter)
+        linked = mode in ("async", "auto") or (mode == "sync" and on_worker)
         kit = ModeKit(
             self.host,
             self.target.vocab_size,
             max_len=self.block_size - 1,
-            link=self._link() if self.drafter is not None and mode in ("async", "auto") else None,
+            link=self._link() if self.drafter is not None and linked else None,
             drafter=self.drafter,
             read_cost=self._read_cost(),
             copies=self._copies,
             busy=self.drafters.busy,
             clock=self.clock,
+            sync_on_worker=on_worker,
         )
         return kit.proposer(mode, budget, copy)
 

@@ -3,8 +3,10 @@
 ``ar`` proposes nothing; ``async`` takes the blocks the drafter worker prepares while the target
 verifies (:class:`~d3d.worker.proposer.AsyncProposer`); ``sync`` drafts on the critical path:
 with the drafter itself where the engine's process holds it (the own engine's
-:class:`~d3d.decoding.proposers.SyncProposer`), else on the worker with no branches prepared
-(an engine whose process must not hold a drafter, such as vLLM's model runner); ``auto``
+:class:`~d3d.decoding.proposers.SyncProposer`, a forward per row), else on the worker with no
+branches prepared — an engine whose process must not hold a drafter (vLLM's model runner), or a
+worker that drafts every row's block of a step in one forward (``sync_on_worker``: the cuda
+backend's packed, captured drafting, against an eager forward per row in this process); ``auto``
 speculates through the async (else sync) proposer only where the policy says it pays
 (:class:`~d3d.decoding.policy.AutoProposer`), with copy rounds from the request's own text.
 The own engine (:meth:`d3d.engine.Engine.proposer`) and the vLLM proposer
@@ -32,7 +34,8 @@ class ModeKit:
     ``drafter``: a drafter in this process for ``sync`` (None: ``sync`` drafts on the worker);
     ``max_len``: drafts per block (K); ``read_cost``: the drafter's cost of reading a token
     relative to the target's prefill; ``copies``: a request's copy drafter (None: no copy
-    rounds); ``busy``: the drafter's device is reading a document now."""
+    rounds); ``busy``: the drafter's device is reading a document now; ``sync_on_worker``:
+    ``sync`` drafts on the worker even with a drafter in this process (module docstring)."""
 
     host: HostCosts
     vocab_size: int
@@ -43,6 +46,7 @@ class ModeKit:
     copies: Callable[[], CopyDrafts] | None = None
     busy: Callable[[], bool] | None = None
     clock: Clock = WALL
+    sync_on_worker: bool = False
 
     def proposer(self, mode: str, budget: int | None = None, copy: bool = True) -> Proposer:
         """The proposer of ``mode`` for one request (``budget``: its max new tokens; ``copy``:
@@ -67,7 +71,8 @@ class ModeKit:
         )
 
     def _spec(self, sync: bool) -> Proposer | None:
-        if self.link is not None and not (sync and self.drafter is not None):
+        here = sync and self.drafter is not None and not self.sync_on_worker
+        if self.link is not None and not here:
             return AsyncProposer(
                 self.link,
                 self.vocab_size,

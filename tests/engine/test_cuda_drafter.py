@@ -21,6 +21,7 @@ from d3d.model.drafter import D3DDrafter
 from d3d.worker.branches import choose_branches, choose_rows
 from d3d.worker.drafting import draft_branches
 from d3d.worker.packed import PackedDraftServer
+from d3d.worker.proposer import AsyncProposer
 from d3d.worker.protocol import Block, Commit, Commits, Failed, Open
 from d3d.worker.server import DraftServer, ServerConfig
 from d3d.worker.workers import server_for
@@ -271,6 +272,44 @@ def test_every_mode_with_the_packed_drafter_equals_ar(kind, monkeypatch):
     finally:
         engine.close()
     assert steps, "the worker drafted through the packed drafter"
+
+
+def test_sync_drafts_every_rows_block_in_one_packed_forward_on_the_worker(monkeypatch):
+    """Where the worker drafts packed (the cuda backend), ``sync`` drafts there: a step's
+    blocks of every row in one forward, instead of a forward per row in the engine's thread
+    (eager on a GPU: a 1.7B-shaped drafter's launches for each row); greedy equals ``ar``."""
+    model = tiny_model("qwen3", seed=1)
+    drafter = D3DDrafter.from_target(model, 1, base="tiny", block_size=6)
+    plain = tiny_engine(model, drafter)
+    try:
+        assert type(plain.proposer("sync")).__name__ == "SyncProposer"  # not readied: in process
+    finally:
+        plain.close()
+    CudaBackend(graphs=False).prepare_drafter(drafter.lm)
+    widths: list[int] = []
+    run = PackedDrafter.run
+    monkeypatch.setattr(
+        PackedDrafter,
+        "run",
+        lambda self, rows, *a, **k: widths.append(len(rows)) or run(self, rows, *a, **k),
+    )
+    engine = tiny_engine(model, drafter, backend=CudaBackend(graphs=False))
+    try:
+        proposer = engine.proposer("sync")
+        assert isinstance(proposer, AsyncProposer) and not proposer.branches
+        sched = engine.scheduler(max_batch=8)
+        sched.eos_ids = set()
+        ps = prompts(4)
+        out: list[list[int]] = [[] for _ in ps]
+        for i, p in enumerate(ps):
+            sched.add(GenRequest(p, 20, mode="sync", on_tokens=out[i].extend))
+        while not sched.idle:
+            sched.step()
+        for i, p in enumerate(ps):
+            assert out[i] == greedy_continuation(model, p, 20), f"row {i}"
+    finally:
+        engine.close()
+    assert max(widths) == 4  # the four rows' blocks in one forward
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
