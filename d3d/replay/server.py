@@ -36,7 +36,7 @@ from d3d.backends.clock import Clock
 from d3d.model.drafter import D3DDrafter
 from d3d.model.meta import DrafterError
 from d3d.replay.schedule import Planned, Replay, decoys
-from d3d.replay.shape import ShapeForwards
+from d3d.replay.shape import shape_forwards
 from d3d.replay.spec import ReplaySpec
 from d3d.worker.budget import BranchBudget
 from d3d.worker.protocol import CODEC, Block, Commit, Open
@@ -83,7 +83,8 @@ class ReplayServer(MessageServer):
     ):
         self.drafter = drafter  # the worker reads its device
         self.cfg = cfg or ServerConfig()
-        self.forwards = ShapeForwards(drafter.shape) if drafter.shape is not None else None
+        shape = drafter.shape
+        self.forwards = shape_forwards(shape, self.cfg.max_branches) if shape is not None else None
         self.clock = clock or Clock([drafter.device]).now
         self.budget = BranchBudget(self.cfg.max_branches, self.cfg.safety)
         self.rows: dict[int, _Row] = {}
@@ -98,7 +99,7 @@ class ReplayServer(MessageServer):
         row = _Row(replay, list(msg.prompt_ids), prepares=msg.branches)
         self.rows[msg.sid] = row
         if msg.prepare and msg.branches:
-            self._prepare(msg.sid, row, None, None)
+            self._prepare([(msg.sid, row, None, None)])
 
     def _close(self, sid: int) -> None:
         self.rows.pop(sid, None)
@@ -141,13 +142,16 @@ class ReplayServer(MessageServer):
             yield self._block(m, row, planned, offered, hit=False, work_s=self.clock() - t0)
             ready.append((m, row, planned))
         ready = [r for r in ready if r[1].prepares]
-        for m, row, planned in ready:
+        # a row at a time (the row-by-row drafter's forwards), or every row in one forward
+        together = self.forwards is not None and self.forwards.together
+        for group in [ready] if together else [[r] for r in ready]:
             if self.pending():  # the next step's commits are here: those rounds are over
                 break
             try:
-                self._prepare(m.sid, row, planned, m.next_len, rows=len(ready))
+                self._prepare([(m.sid, row, p, m.next_len) for m, row, p in group], len(ready))
             except Exception as exc:
-                yield self._failed(m.sid, exc)
+                for m, _, _ in group:
+                    yield self._failed(m.sid, exc)
 
     @staticmethod
     def _block(
@@ -156,29 +160,35 @@ class ReplayServer(MessageServer):
         return Block(msg.sid, len(row.committed), planned.tokens, hit, offered, work_s)
 
     def _prepare(
-        self, sid: int, row: _Row, planned: Planned | None, length: int | None, rows: int = 1
+        self, items: list[tuple[int, _Row, Planned | None, int | None]], rows: int = 1
     ) -> None:
-        """Branches for the outcomes of verifying ``planned`` (None: the prefill, whose outcome
-        is the first answer token), the target verifying its first ``length`` drafts (None:
-        all); ``rows`` share the verify's branch budget."""
+        """For each (sid, row, ``planned``, ``length``): branches for the outcomes of verifying
+        ``planned`` (None: the prefill, whose outcome is the first answer token), the target
+        verifying its first ``length`` drafts (None: all); then the shape's forwards for all
+        of them at once; ``rows`` share the verify's branch budget."""
         t0 = self.clock()
-        n0, rep = len(row.committed), row.replay
-        if not rep.follows(row.committed):
-            return
-        k, r = rep.outcome(n0, planned, length)
-        drafts = [] if planned is None else planned.tokens[:length]
         n = self._count(rows)
-        outcomes = [(k, r)] if n and r >= 0 and rep.hit() else []
-        outcomes += decoys(k, r, len(drafts), n - len(outcomes), self.drafter.vocab_size)
-        # The true branch's block is planned now (its k drawn); decoys are never served.
-        row.branches = {
-            (n0, j, t): rep.block(n0 + j + 1) if (j, t) == (k, r) else Planned([], 0)
-            for j, t in outcomes
-        }
-        if self.forwards is not None and outcomes:
-            reads = self.forwards.branches(sid, row.committed, drafts, outcomes)
+        work = []
+        for sid, row, planned, length in items:
+            n0, rep = len(row.committed), row.replay
+            if not rep.follows(row.committed):
+                continue
+            k, r = rep.outcome(n0, planned, length)
+            drafts = [] if planned is None else planned.tokens[:length]
+            outcomes = [(k, r)] if n and r >= 0 and rep.hit() else []
+            outcomes += decoys(k, r, len(drafts), n - len(outcomes), self.drafter.vocab_size)
+            # The true branch's block is planned now (its k drawn); decoys are never served.
+            row.branches = {
+                (n0, j, t): rep.block(n0 + j + 1) if (j, t) == (k, r) else Planned([], 0)
+                for j, t in outcomes
+            }
+            if outcomes:
+                work.append((sid, row.committed, drafts, outcomes))
+        if self.forwards is not None and work:
+            reads = self.forwards.branches(work)
             if not reads:  # reading a prompt or a catch-up is no sample of the branch cost
-                self.budget.observe_cost(len(outcomes), self.clock() - t0)
+                most = max(len(w[3]) for w in work)
+                self.budget.observe_cost(most, (self.clock() - t0) / len(work))
 
     def _count(self, rows: int) -> int:
         """Branches per row this round: the budget's with a drafter shape (what fits inside the

@@ -13,9 +13,13 @@ committed tokens, so drafting takes what it would take with a trained drafter of
   folded into it.
 - ``sync`` runs the shape in a :class:`~d3d.model.session.DraftSession` (its cache of committed
   tokens, one block forward a round).
-- :class:`ShapeForwards` runs ``async``'s forwards in the worker as the D3D worker runs them
-  (:mod:`d3d.worker.drafting`): a missed block (every miss of a step in one forward where the
-  drafter allows), and per round the draft chain plus one block per branch in one forward.
+- ``async``'s forwards run in the worker as the D3D worker runs them (:func:`shape_forwards`
+  picks): :class:`ShapeForwards` as the row-by-row server (:mod:`d3d.worker.drafting`: every
+  miss of a step in one forward where the drafter allows, then per row its draft chain plus one
+  block per branch in one forward), or, where the cuda backend readied the shape for packed
+  drafting, :class:`PackedShapeForwards` as :class:`~d3d.worker.packed.PackedDraftServer`
+  (its slot KV; every miss in one forward, every row's chain and branches in one more,
+  captured on a GPU), so a replay's drafting costs there what the D3D worker's costs.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from d3d.backends.slabs import KvRow
 from d3d.model.drafter import D3DDrafter, DrafterError
-from d3d.model.session import rewind
+from d3d.model.session import common_prefix, rewind
 from d3d.model.shapes import load_config, random_model
 from d3d.worker.drafting import can_batch, draft_blocks, draft_branches
 
@@ -64,6 +69,19 @@ def random_shape(shape: str, device: str | torch.device, dtype: torch.dtype) -> 
     return D3DDrafter.from_target(lm, depth, base=f"{SHAPE_PREFIX}{text}", share=True)
 
 
+Outcomes = Sequence[tuple[int, int]]  # (k accepted, the target's token r) of each branch
+BranchRow = tuple[int, Sequence[int], Sequence[int], Outcomes]  # sid, committed, drafts, outcomes
+
+
+def shape_forwards(drafter: D3DDrafter, branches: int) -> ShapeForwards | PackedShapeForwards:
+    """The shape's forwards as the worker would run that drafter's (module docstring), for
+    at most ``branches`` branches a row."""
+    from d3d.backends.cuda.drafter import plan_of
+
+    plan = plan_of(drafter)
+    return ShapeForwards(drafter) if plan is None else PackedShapeForwards(drafter, plan, branches)
+
+
 class ShapeForwards:
     """``async``'s drafter forwards of a shape, per row, for their time only.
 
@@ -71,6 +89,8 @@ class ShapeForwards:
     cut back and extended as the D3D worker's session caches are; after branches it also holds
     the draft chain they needed, which the next commit cuts back to what was accepted.
     """
+
+    together = False  # a row's branches a forward of their own
 
     def __init__(self, drafter: D3DDrafter):
         self.drafter = drafter
@@ -100,13 +120,14 @@ class ShapeForwards:
             for cache, pending, anchor in items:
                 d.block_scores(anchor, cache, pending)
 
+    def branches(self, rows: Sequence[BranchRow]) -> bool:
+        """Each row's branches in a forward of its own (:meth:`branch`); whether one also
+        read committed tokens its cache lacked."""
+        return any([self.branch(*row) for row in rows])
+
     @torch.inference_mode()
-    def branches(
-        self,
-        sid: int,
-        committed: Sequence[int],
-        drafts: Sequence[int],
-        outcomes: Sequence[tuple[int, int]],
+    def branch(
+        self, sid: int, committed: Sequence[int], drafts: Sequence[int], outcomes: Outcomes
     ) -> bool:
         """One forward: the chain ``[pending, anchor, d_1..d_m]`` the ``outcomes`` (k, r)
         need (m = their largest k) and a block per outcome, seeing the chain up to d_k.
@@ -119,3 +140,68 @@ class ShapeForwards:
         draft_branches(self.drafter, cache, visible, anchors, chain)
         self.caches[sid] = (cache, [*fold(committed, self.vocab), *chain[len(pending) + 1 :]])
         return bool(pending)
+
+
+class PackedShapeForwards:
+    """The same forwards through the cuda backend's packed drafter: a slot per row, a step's
+    misses in one forward, every row's chain and branches in one more (rows given fewer
+    outcomes than the most repeat their first: the real server drafts n for every row)."""
+
+    together = True  # every row's branches in one forward
+
+    def __init__(self, drafter: D3DDrafter, plan, branches: int):
+        from d3d.backends.cuda.drafter import PackedDrafter
+
+        self.packed = PackedDrafter(drafter, plan)
+        self.vocab = shape_vocab(drafter)
+        # positions past a row's tokens a step may write: a chain and its branch blocks
+        self.reserve = (branches + 2) * self.packed.block
+        self.rows: dict[int, tuple[KvRow, list[int]]] = {}  # sid: its slot, the ids it holds
+
+    def drop(self, sid: int) -> None:
+        got = self.rows.pop(sid, None)
+        if got is not None:
+            self.packed.close(got[0])
+
+    def _read(self, sid: int, committed: Sequence[int]) -> tuple[KvRow, list[int], int]:
+        """The row's slot cut back to the committed tokens but the last; the ones it still
+        lacks; the anchor."""
+        ids = fold(committed, self.vocab)
+        if sid not in self.rows:
+            self.rows[sid] = (self.packed.open(len(ids) + self.reserve), [])
+        row, held = self.rows[sid]
+        row.length = common_prefix(held, ids[:-1])
+        return row, ids[row.length : -1], ids[-1]
+
+    @torch.inference_mode()
+    def blocks(self, rows: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Every missed row's block in one packed forward."""
+        items = [self._read(sid, committed) for sid, committed in rows]
+        visible = torch.tensor([[row.length + len(pending)] for row, pending, _ in items])
+        anchors = torch.tensor([[anchor] for _, _, anchor in items])
+        self.packed.run([row for row, _, _ in items], [p for _, p, _ in items], visible, anchors)
+        for (sid, committed), (row, _, _) in zip(rows, items, strict=True):
+            self.rows[sid] = (row, fold(committed, self.vocab)[:-1])
+
+    @torch.inference_mode()
+    def branches(self, rows: Sequence[BranchRow]) -> bool:
+        """Every row's chain ``[pending, anchor, d_1..d_m]`` and its blocks, one per outcome
+        seeing the chain up to d_k, in one packed forward; whether a row also read committed
+        tokens its slot lacked."""
+        width = max(len(outcomes) for *_, outcomes in rows)
+        slots, chains, visible, anchors = [], [], [], []
+        reads = False
+        for sid, committed, drafts, outcomes in rows:
+            row, pending, anchor = self._read(sid, committed)
+            reads = reads or bool(pending)
+            padded = [*outcomes, *[outcomes[0]] * (width - len(outcomes))]
+            m = max(k for k, _ in outcomes)
+            slots.append(row)
+            chains.append([*pending, anchor, *fold(drafts[:m], self.vocab)])
+            visible.append([len(committed) + k for k, _ in padded])
+            anchors.append(fold([max(r, 0) for _, r in padded], self.vocab))
+        self.packed.run(slots, chains, torch.tensor(visible), torch.tensor(anchors))
+        for (sid, committed, drafts, outcomes), row in zip(rows, slots, strict=True):
+            m = max(k for k, _ in outcomes)
+            self.rows[sid] = (row, fold([*committed, *drafts[:m]], self.vocab))
+        return reads

@@ -102,6 +102,8 @@ def build_engine(model, name: str, s: ServiceSettings, backend: Backend | None =
         if s.needs_drafter
         else None
     )
+    if backend is not None and drafter is not None:  # the worker drafts through it (packed)
+        backend.prepare_drafter(drafter.lm)
     block = drafter.block_size if drafter is not None else DEFAULT_BLOCK_SIZE
     cfg = ModelConfig(
         target=name,

@@ -9,6 +9,8 @@ import logging
 
 import pytest
 
+from d3d.backends.cuda import CudaBackend
+from d3d.backends.cuda.drafter import PackedDrafter
 from d3d.config import DecodeConfig, ModelConfig, SamplingConfig
 from d3d.engine import GenRequest, build_drafter
 from d3d.model.load import LoadedModel
@@ -178,6 +180,44 @@ def test_a_shape_runs_real_forwards(tiny_target, tmp_path, monkeypatch):
             engine.close()
     assert calls["blocks"] > 0 and calls["branches"] > 0
     assert len(engine.drafter.shape.lm.model.layers) == 2
+
+
+def test_a_shape_the_cuda_backend_readied_drafts_packed(tiny_target, monkeypatch):
+    """On the cuda backend the shape's forwards are the packed drafter's (what the D3D worker
+    runs there): a step's misses in one forward, every row's branches in one more; ``sync``
+    drafts on the worker too. Lossless, acceptance and hits as without."""
+    widths: list[int] = []
+    run = PackedDrafter.run
+    monkeypatch.setattr(
+        PackedDrafter,
+        "run",
+        lambda self, rows, *a, **k: widths.append(len(rows)) or run(self, rows, *a, **k),
+    )
+    drafter = build_drafter("replay:5:0.5:self:1", LoadedModel(tiny_target, None, "tiny"))
+    backend = CudaBackend(graphs=False)
+    backend.prepare_drafter(drafter.lm)
+    engine = tiny_engine(tiny_target, drafter, backend=backend)
+    sched = engine.scheduler(max_batch=8)
+    sched.eos_ids = set()
+    prompts = [[1 + i, 5, 9, 22 + i, 7] for i in range(4)]
+    try:
+        ref = engine.record(prompts, 60)
+        for mode in ("sync", "async"):
+            out: list[list[int]] = [[] for _ in prompts]
+            stats = []
+            for p, o in zip(prompts, out, strict=True):
+                sched.add(GenRequest(p, 60, mode=mode, on_tokens=o.extend,
+                                     on_finish=lambda st, err, got=stats: got.append((st, err))))  # fmt: skip
+            while not sched.idle:
+                sched.step()
+            assert out == ref, mode
+            assert all(err is None and st.worker_failures == 0 for st, err in stats), mode
+            assert 4.0 <= sum(st.acceptance_length for st, _ in stats) / 4 <= 6.0, mode
+            if mode == "async":
+                assert sum(st.branch_hits for st, _ in stats) > 0
+    finally:
+        engine.close()
+    assert max(widths) == 4  # the four rows in one forward
 
 
 def test_a_worker_in_its_own_process_and_d3d_generate(tmp_path, capsys):

@@ -64,7 +64,10 @@ class CudaBackend(ReferenceBackend):
 
     def prepare_drafter(self, model: nn.Module) -> None:
         """Have the drafter worker draft through this backend's packed step
-        (:mod:`d3d.backends.cuda.drafter`), where the drafter's language model fits it."""
+        (:mod:`d3d.backends.cuda.drafter`), where the drafter's language model fits it (one
+        with no weights, the replay instrument's without a shape, drafts nothing)."""
+        if next(model.parameters(), None) is None:
+            return
         why = unfit(model)
         if why:
             log.warning("the cuda backend cannot run the drafter %s (%s): it drafts row by row",
