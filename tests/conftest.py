@@ -378,3 +378,20 @@ def scripted_qwen3_dir(tmp_path_factory, qwen3_tokenizer) -> Path:
     """A folder holding :func:`scripted_qwen3` on :func:`thinking_chain` and the tokenizer."""
     model = scripted_qwen3(thinking_chain(qwen3_tokenizer))
     return save_qwen3(model, qwen3_tokenizer, tmp_path_factory.mktemp("qwen3_scripted"))
+
+
+@pytest.fixture
+def packed_rows(monkeypatch) -> list[int]:
+    """The rows of each forward the cuda backend's packed drafter runs, in order (a test that
+    the worker drafted through it, and several rows at once)."""
+    from d3d.backends.cuda.drafter import PackedDrafter
+
+    rows_seen: list[int] = []
+    run = PackedDrafter.run
+
+    def counted(self, rows, *args, **kwargs):
+        rows_seen.append(len(rows))
+        return run(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(PackedDrafter, "run", counted)
+    return rows_seen

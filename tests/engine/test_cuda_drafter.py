@@ -243,16 +243,11 @@ def prompts(n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_every_mode_with_the_packed_drafter_equals_ar(kind, monkeypatch):
+def test_every_mode_with_the_packed_drafter_equals_ar(kind, packed_rows):
     model = tiny_model(kind, seed=1)
     drafter = D3DDrafter.from_target(model, 1, base="tiny", block_size=6)
     backend = CudaBackend(graphs=False)
     backend.prepare_drafter(drafter.lm)
-    steps = []
-    run = PackedDrafter.run
-    monkeypatch.setattr(
-        PackedDrafter, "run", lambda self, *a, **k: steps.append(1) or run(self, *a, **k)
-    )
     engine = tiny_engine(model, drafter, backend=backend)
     try:
         sched = engine.scheduler(max_batch=8)
@@ -271,10 +266,10 @@ def test_every_mode_with_the_packed_drafter_equals_ar(kind, monkeypatch):
             assert out[i] == greedy_continuation(model, p, budgets[i]), f"row {i} ({modes[i % 4]})"
     finally:
         engine.close()
-    assert steps, "the worker drafted through the packed drafter"
+    assert packed_rows, "the worker drafted through the packed drafter"
 
 
-def test_sync_drafts_every_rows_block_in_one_packed_forward_on_the_worker(monkeypatch):
+def test_sync_drafts_every_rows_block_in_one_packed_forward_on_the_worker(packed_rows):
     """Where the worker drafts packed (the cuda backend), ``sync`` drafts there: a step's
     blocks of every row in one forward, instead of a forward per row in the engine's thread
     (eager on a GPU: a 1.7B-shaped drafter's launches for each row); greedy equals ``ar``."""
@@ -286,13 +281,6 @@ def test_sync_drafts_every_rows_block_in_one_packed_forward_on_the_worker(monkey
     finally:
         plain.close()
     CudaBackend(graphs=False).prepare_drafter(drafter.lm)
-    widths: list[int] = []
-    run = PackedDrafter.run
-    monkeypatch.setattr(
-        PackedDrafter,
-        "run",
-        lambda self, rows, *a, **k: widths.append(len(rows)) or run(self, rows, *a, **k),
-    )
     engine = tiny_engine(model, drafter, backend=CudaBackend(graphs=False))
     try:
         proposer = engine.proposer("sync")
@@ -309,7 +297,7 @@ def test_sync_drafts_every_rows_block_in_one_packed_forward_on_the_worker(monkey
             assert out[i] == greedy_continuation(model, p, 20), f"row {i}"
     finally:
         engine.close()
-    assert max(widths) == 4  # the four rows' blocks in one forward
+    assert max(packed_rows) == 4  # the four rows' blocks in one forward
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

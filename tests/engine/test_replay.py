@@ -10,7 +10,6 @@ import logging
 import pytest
 
 from d3d.backends.cuda import CudaBackend
-from d3d.backends.cuda.drafter import PackedDrafter
 from d3d.config import DecodeConfig, ModelConfig, SamplingConfig
 from d3d.engine import GenRequest, build_drafter
 from d3d.model.load import LoadedModel
@@ -182,17 +181,10 @@ def test_a_shape_runs_real_forwards(tiny_target, tmp_path, monkeypatch):
     assert len(engine.drafter.shape.lm.model.layers) == 2
 
 
-def test_a_shape_the_cuda_backend_readied_drafts_packed(tiny_target, monkeypatch):
+def test_a_shape_the_cuda_backend_readied_drafts_packed(tiny_target, packed_rows):
     """On the cuda backend the shape's forwards are the packed drafter's (what the D3D worker
     runs there): a step's misses in one forward, every row's branches in one more; ``sync``
     drafts on the worker too. Lossless, acceptance and hits as without."""
-    widths: list[int] = []
-    run = PackedDrafter.run
-    monkeypatch.setattr(
-        PackedDrafter,
-        "run",
-        lambda self, rows, *a, **k: widths.append(len(rows)) or run(self, rows, *a, **k),
-    )
     drafter = build_drafter("replay:5:0.5:self:1", LoadedModel(tiny_target, None, "tiny"))
     backend = CudaBackend(graphs=False)
     backend.prepare_drafter(drafter.lm)
@@ -217,7 +209,7 @@ def test_a_shape_the_cuda_backend_readied_drafts_packed(tiny_target, monkeypatch
                 assert sum(st.branch_hits for st, _ in stats) > 0
     finally:
         engine.close()
-    assert max(widths) == 4  # the four rows in one forward
+    assert max(packed_rows) == 4  # the four rows in one forward
 
 
 def test_a_worker_in_its_own_process_and_d3d_generate(tmp_path, capsys):
