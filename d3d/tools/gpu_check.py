@@ -23,7 +23,10 @@ ends (a run cut short keeps what it finished):
    so no graph is captured in the measured time); and the two-GPU figure projected from
    the measured primitives: with the drafter on its own GPU a round is hidden when it fits
    inside a verify, so a round costs max(verify, packed round) plus the drafter's block on a
-   branch miss (:func:`projection`), beside the paper's 5.00x.
+   branch miss (:func:`projection`), beside the paper's 5.00x. Then (``shaped_replay_N``) the
+   same at 1 row with a drafter of the D3D-1.7B shape running its real forwards beside the
+   replay (``replay:7.88:0.78:shape=qwen3-1.7b``; on the cuda backend the worker's packed,
+   captured forwards, ``sync`` drafting there too), so drafting costs what the worker's costs.
 6. **memory** — the peak allocation against ``d3d plan``'s count (run right after decode).
    **profile** — the 1-row step's kernels by kind, eager and replayed, against its wall time
    (:mod:`d3d.tools.step_profile`): where the time beyond the floor goes (run after the other
@@ -46,8 +49,10 @@ import importlib.util
 import json
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -151,6 +156,11 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("replay stage (d3d.tools.gpu_service)")
     g.add_argument("--replay", default=f"replay:{PAPER['acceptance']}:{PAPER['hit_rate']}")
     g.add_argument("--replay-rows", default="1,16")
+    g.add_argument(
+        "--shaped-rows",
+        default="1",
+        help=f"rows of the replay with the {DRAFTER_SHAPE} shape's real forwards ('' for none)",
+    )
     g.add_argument("--prompt-tokens", type=int, default=512)
     g.add_argument("--new-tokens", type=int, default=128)
     g.add_argument("--modes", default="ar,sync,async")
@@ -172,12 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = [int(x) for x in args.rows.split(",") if x.strip()]
         replay_rows = [int(x) for x in args.replay_rows.split(",") if x.strip()]
+        shaped_rows = [int(x) for x in args.shaped_rows.split(",") if x.strip()]
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
         services = [
             ServiceSettings(
                 n, args.prompt_tokens, args.new_tokens, modes, args.replay, None, args.stage_seconds
             )
             for n in replay_rows
+        ]
+        shaped = [  # the drafter shape is named once the device is known (tiny: a small one)
+            ServiceSettings(
+                n, args.prompt_tokens, args.new_tokens, modes, args.replay, None, args.stage_seconds
+            )
+            for n in shaped_rows
         ]
     except ValueError as exc:  # a ServiceError names the flag's field
         p.error(str(exc))
@@ -244,6 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     stage("exactness", lambda: _exactness(config, device, args))
     for s in services:
         stage(f"replay_{s.requests}", lambda s=s: _replay(target, name, config, s, time_left, res))
+    with tempfile.TemporaryDirectory() as tmp:  # --tiny: the small shape's config
+        for s in shaped:
+            s = replace(s, drafter=f"{s.drafter}:shape={_drafter_shape(args, target, Path(tmp))}")
+            stage(
+                f"shaped_replay_{s.requests}",
+                lambda s=s: _replay(target, name, config, s, time_left, res),
+            )
     stage("projection", lambda: _projection(res))
     # last of the target's stages: a profiler that fails hard on graph replays loses only this
     stage("profile", lambda: step_profile(target, args.context))
@@ -283,6 +307,17 @@ def _exactness(config: dict, device: torch.device, args) -> dict:
         return st.captured_equals_eager(model, rows=16, prompt=24, steps=16)
     finally:
         del model
+
+
+def _drafter_shape(args, target, folder: Path) -> str:
+    """The replay's drafter shape: ``qwen3-1.7b`` (a shipped config), or with ``--tiny`` the
+    small drafter's dimensions, written into ``folder`` as a config of its own."""
+    if not args.tiny:
+        return DRAFTER_SHAPE
+    path = folder / "tiny_drafter_shape.json"
+    cfg = shape_config(DRAFTER_SHAPE, TINY_DRAFTER) | {"vocab_size": target.config.vocab_size}
+    path.write_text(json.dumps(cfg))
+    return str(path)
 
 
 def _replay(target, name: str, config: dict, s: ServiceSettings, time_left, res: dict) -> dict:

@@ -82,15 +82,18 @@ def table(res: dict) -> str:
             f"| captured through the Triton kernels = through the torch forms, fp32 | "
             f"{ex['torch_forms_rows_equal']} of {ex['rows']} rows | | |"
         )
-    for key in sorted(k for k in res if k.startswith("replay_")):
+    replays = sorted(k for k in res if k.startswith(("replay_", "shaped_replay_")))
+    for key in replays:
         modes = (res[key] or {}).get("modes") or {}
-        n = key.split("_")[1]
+        n = key.rsplit("_", 1)[1]
+        shape = key.startswith("shaped")
+        what = "replay (instrument)" + (", the D3D-1.7B shape's forwards" if shape else "")
         for mode in ("sync", "async"):
             r = modes.get(mode) or {}
             if r.get("speedup_vs_ar") is not None:
                 goal = ">= 4x" if mode == "sync" and n == "1" else ""
                 lines.append(
-                    f"| replay (instrument) {mode}, {n} row(s): decoding (end to end) | "
+                    f"| {what} {mode}, {n} row(s): decoding (end to end) | "
                     f"{r.get('decode_speedup_vs_ar')}x ({r['speedup_vs_ar']}x) ar | "
                     f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')}, "
                     f"new shapes {r.get('new_shapes')} | {goal} |"
@@ -105,7 +108,8 @@ def table(res: dict) -> str:
                 else "not measured (no CUDA)"
             )
             lines.append(
-                f"| engine's host-device waits a decode step ({' / '.join(most)}), {n} row(s) "
+                f"| engine's host-device waits a decode step ({' / '.join(most)}), {n} row(s)"
+                f"{', with the shape' if shape else ''} "
                 f"| {shown} | sync also waits for each row's draft | ar, async: <= 1 |"
             )
     for name, pr in (res.get("projection") or {}).items():
