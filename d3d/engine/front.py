@@ -49,10 +49,9 @@ from d3d.model.load import LoadedModel, encode_prompt, load_target
 from d3d.model.memory import prefix_cache_bytes
 from d3d.model.specs import Speculation, speculation
 from d3d.replay import ReplayDrafter
-from d3d.worker.modes import ModeKit
+from d3d.worker.modes import ModeKit, drafts_rows_together
 from d3d.worker.proposer import BatchedLink
 from d3d.worker.supervisor import Supervisor
-from d3d.worker.workers import drafts_rows_together
 
 log = logging.getLogger(__name__)
 

@@ -181,21 +181,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         rows = [int(x) for x in args.rows.split(",") if x.strip()]
-        replay_rows = [int(x) for x in args.replay_rows.split(",") if x.strip()]
-        shaped_rows = [int(x) for x in args.shaped_rows.split(",") if x.strip()]
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-        services = [
-            ServiceSettings(
-                n, args.prompt_tokens, args.new_tokens, modes, args.replay, None, args.stage_seconds
-            )
-            for n in replay_rows
-        ]
-        shaped = [  # the drafter shape is named once the device is known (tiny: a small one)
-            ServiceSettings(
-                n, args.prompt_tokens, args.new_tokens, modes, args.replay, None, args.stage_seconds
-            )
-            for n in shaped_rows
-        ]
+        services, shaped = (
+            [
+                ServiceSettings(n, args.prompt_tokens, args.new_tokens, modes, args.replay, None,
+                                args.stage_seconds)
+                for n in (int(x) for x in flag.split(",") if x.strip())
+            ]
+            for flag in (args.replay_rows, args.shaped_rows)
+        )  # fmt: skip
     except ValueError as exc:  # a ServiceError names the flag's field
         p.error(str(exc))
     try:
@@ -262,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in services:
         stage(f"replay_{s.requests}", lambda s=s: _replay(target, name, config, s, time_left, res))
     with tempfile.TemporaryDirectory() as tmp:  # --tiny: the small shape's config
-        for s in shaped:
-            s = replace(s, drafter=f"{s.drafter}:shape={_drafter_shape(args, target, Path(tmp))}")
+        spec = f"{args.replay}:shape={_drafter_shape(args, target, Path(tmp))}"
+        for s in (replace(s, drafter=spec) for s in shaped):
             stage(
                 f"shaped_replay_{s.requests}",
                 lambda s=s: _replay(target, name, config, s, time_left, res),

@@ -28,6 +28,15 @@ from d3d.worker.proposer import AsyncProposer, WorkerLink
 MODES = ("auto", "ar", "sync", "async")
 
 
+def drafts_rows_together(drafter: object) -> bool:
+    """Whether the worker drafts every row's block of a step in one forward (the cuda backend
+    readied ``drafter`` for packed drafting), so that ``sync`` drafts there rather than a row
+    at a time in the engine's process (``ModeKit.sync_on_worker``)."""
+    from d3d.backends.cuda.drafter import plan_of
+
+    return plan_of(drafter) is not None
+
+
 @dataclass
 class ModeKit:
     """What a request's proposer is made from. ``link``: the drafter worker (None: none runs);

@@ -99,15 +99,6 @@ def server_for(drafter: Any, cfg: ServerConfig | None = None) -> MessageServer:
     return DraftServer(drafter, cfg)
 
 
-def drafts_rows_together(drafter: Any) -> bool:
-    """Whether the worker drafts every row's block of a step in one forward (the cuda backend
-    readied ``drafter`` for packed drafting), so that ``sync`` drafts there rather than a row
-    at a time in the engine's process (:class:`~d3d.worker.modes.ModeKit`)."""
-    from d3d.backends.cuda.drafter import plan_of
-
-    return plan_of(drafter) is not None
-
-
 class WorkerClient:
     """The target side of a worker: send messages, receive replies per session."""
 
