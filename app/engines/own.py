@@ -227,8 +227,12 @@ class EngineWorker:
         )
 
     def _warmup(self) -> None:
-        """A tiny generation per mode: proves the models run and calibrates the policy."""
+        """Every step graph the backend can take now (no request then waits for a capture), then
+        a tiny generation per mode: proves the models run and calibrates the policy."""
         engine = self.engine
+        t0 = time.perf_counter()
+        captured = self.batch.target.capture()
+        capture_s = time.perf_counter() - t0
         ids = engine.encode("Say hello.", True)
         figures = engine.calibrate()
         modes = ["ar"] + (["sync"] if engine.drafter is not None else [])
@@ -253,6 +257,8 @@ class EngineWorker:
             "draft_ms": _ms(h.wait_s.value),
             "calibrated": figures is not None,
             "reader_s": round(reader_s, 2),
+            "graphs_captured": captured,
+            "capture_s": round(capture_s, 2),
             "kv_pretouch_s": None if touched is None else round(touched, 2),
         }
         self.model_info["warmup"] = summary

@@ -69,6 +69,11 @@ class BatchTarget:
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
+    def capture(self) -> int:
+        """Ready every step shape serving will meet, before it meets them (a backend whose
+        steps replay captured graphs); how many were readied. Here: none to ready."""
+        return 0
+
     @torch.inference_mode()
     def forward(
         self,

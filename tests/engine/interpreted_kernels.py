@@ -109,6 +109,31 @@ def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype, ad
     torch.testing.assert_close(outs[0], outs[1], **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_graph_per_rows_and_width_serves_every_context(dtype):
+    """Through the split attention the keys a step attends are no part of its shape: every
+    shape is met up front (``capture``), and rows read through contexts that SDPA's steps
+    attend in 256 and 512 keys meet no new one, their logits still the torch forms' (whose
+    steps do meet them)."""
+    tri, own = _pair("qwen3", dtype)
+    assert tri.step.reads_lengths and not own.step.reads_lengths
+    assert tri.capture() == len(tri.buckets) * 2 and own.capture() == 0
+    met = tri.runner.shapes
+    rows = {id(t): [t.kv.open(500) for _ in range(2)] for t in (tri, own)}
+    for widths in ((40, 3), (1, 1), (260, 300), (6, 1), (100, 150), (1, 6), (1, 1)):
+        ids = [[(3 * j + w) % 90 + 2 for j in range(w)] for w in widths]
+        a, b = (t.forward(rows[id(t)], ids) for t in (tri, own))
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, **_tol(dtype))
+        for t in (tri, own):
+            for row, w in zip(rows[id(t)], widths, strict=True):
+                t.kv.commit(row, w)
+    assert tri.runner.shapes == met  # own: (T 1, n 256), (6, 512), (1, 512)
+    assert own.runner.shapes == 3
+    assert tri.counts == own.counts and tri.counts["decode"] == 4
+    assert tri.capture() == 0  # rows are open: their slots' keys are not a warm-up's to write
+
+
 def _launches_a_step(layers: int) -> collections.Counter:
     """Operations a plain 2-row step launches: torch's (views free) and the Triton kernels'."""
     return _ops_a_step(layers, lambda t, count: _counting(t.step.kernels.module, count))
@@ -165,7 +190,7 @@ def test_split_attention_equals_sdpa_with_the_rows_mask(dtype, splits):
         q = torch.randn(b, hkv, g * t, d, generator=gen).to(dtype)
         lengths = torch.randint(0, n - t, (b,), generator=gen)
         limit = lengths[:, None] + torch.arange(1, t + 1)
-        got = kernels.attend(q, keys, values, limit, n, d**-0.5, splits)
+        got = kernels.attend(q, keys, values, limit, d**-0.5, splits)
         sees = (torch.arange(n)[None, None, :] < limit[:, :, None])[:, None, None]
         sees = sees.expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
         mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))

@@ -21,7 +21,8 @@ Attention reads the first n positions of the B slots in place (n covers the long
 few graph shapes per doubling, :func:`attended`), the G = Hq / Hkv query heads that share a key
 head stacked as one matrix of G*T queries against it (each key is read once, no repeated KV),
 masked by each row's length: one ``scaled_dot_product_attention`` call per layer for the whole
-step.
+step. The split attention kernel reads each row's length instead and n plays no part
+(:attr:`StaticForward.reads_lengths`): then one graph per (B, T) serves every context.
 
 The model's own weights and modules compute everything else, in the model's forms or, where a
 sample at load proves them equal, fused forms with fewer kernels (:mod:`d3d.backends.cuda.fused`:
@@ -240,8 +241,8 @@ class StaticForward:
                 kb = self.keys[i].narrow(2, 0, n).index_select(0, slots)
                 vb = self.values[i].narrow(2, 0, n).index_select(0, slots)
             if split:
-                o = k.module.attend(qb, self.keys[i], self.values[i], limit, n, self.scaling,
-                                    self.splits(b, n))  # fmt: skip
+                o = k.module.attend(qb, self.keys[i], self.values[i], limit, self.scaling,
+                                    self.splits(b))  # fmt: skip
             else:
                 o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
@@ -302,10 +303,17 @@ class StaticForward:
         qn = self.qk_norms[i]
         return (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
 
-    def splits(self, rows: int, n: int) -> int:
-        """Chunks the split attention cuts n keys into for ``rows`` rows: enough programs to keep
-        every SM reading (two per SM), chunks of at least 64 keys."""
-        return max(1, min(-(-n // 64), -(-2 * self.sms // (rows * self.hkv))))
+    def splits(self, rows: int) -> int:
+        """Chunks the split attention cuts each row's keys into at ``rows`` rows: enough programs
+        to keep every SM reading (two per SM), no more than a slot's 64-key tiles."""
+        return max(1, min(-(-self.keys[0].shape[2] // 64), -(-2 * self.sms // (rows * self.hkv))))
+
+    @property
+    def reads_lengths(self) -> bool:
+        """Whether the step's attention reads each row's length (the split kernel), so that the
+        keys a step attends are no part of its shape: one graph per (rows, width) serves every
+        context; else SDPA attends the first n keys, and n is part of the shape."""
+        return self.kernels.attend
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [M, V] of final hidden states [M, H]."""

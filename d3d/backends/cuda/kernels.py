@@ -174,8 +174,7 @@ def qk_in(
 
 
 @triton.jit
-def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, o_ptr, ml_ptr, n, chunk, scale,
-                  s_slot, s_head, s_pos, HKV: tl.constexpr, M: tl.constexpr, T: tl.constexpr,
+def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, o_ptr, ml_ptr, scale, s_slot, s_head, s_pos, HKV: tl.constexpr, M: tl.constexpr, T: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                   PREC: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)  # row b, key head h: bh = b * HKV + h
@@ -189,14 +188,16 @@ def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, o_ptr, ml_ptr, n, chunk, scale
     q = tl.load(q_ptr + (bh * M + m_at[:, None]) * D + d_at[None, :], mask=real[:, None], other=0.0)
     # query m = g * T + t sees keys j < limit[b, t]
     limit = tl.load(limit_ptr + b * T + m_at % T, mask=real, other=0)
+    span = tl.max(limit, 0)  # the keys this row's queries see: its splits share them evenly
+    chunk = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
     best = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a split that sees no key adds 0
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     base = b * s_slot + h * s_head
     start = split * chunk
-    for step in tl.range(0, chunk, BLOCK_N):  # the chunk's tiles; the last chunk's past n masked
+    for step in tl.range(0, chunk, BLOCK_N):  # the chunk's tiles; past the row's keys masked
         j = start + step + tl.arange(0, BLOCK_N)
-        inside = j < n
+        inside = j < span
         k = tl.load(
             k_ptr + base + j[:, None] * s_pos + d_at[None, :], mask=inside[:, None], other=0.0
         )
@@ -243,31 +244,28 @@ def attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     limit: torch.Tensor,
-    n: int,
     scale: float,
     splits: int,
 ) -> torch.Tensor:
-    """Attention of q [B, Hkv, G*T, D] (query g*T + t) over the first n positions of slots
-    0 .. B-1 of ``keys`` / ``values`` [S, Hkv, C, D], query t of row b seeing the keys before
-    ``limit`` [B, T]: the keys split into ``splits`` chunks, each chunk's softmax-weighted sum
-    in a program of its own, then joined (a decode step at few rows keeps every SM reading).
-    Returns [B, Hkv, G*T, D] in q's dtype."""
+    """Attention of q [B, Hkv, G*T, D] (query g*T + t) over slots 0 .. B-1 of ``keys`` /
+    ``values`` [S, Hkv, C, D], query t of row b seeing the keys before ``limit`` [B, T]: each
+    row's keys split into ``splits`` even chunks (of whole 64-key tiles), each chunk's
+    softmax-weighted sum in a program of its own, then joined (a decode step at few rows keeps
+    every SM reading). Nothing here depends on how many keys a row has: a CUDA graph of it
+    serves every context. Returns [B, Hkv, G*T, D] in q's dtype."""
     b, hkv, m, d = q.shape
     t = limit.shape[1]
     if keys.stride() != values.stride() or keys.stride(3) != 1:
         raise ValueError("keys and values in one layout, rows contiguous")
     block_m = max(16, triton.next_power_of_2(m))
-    block_n = 64
-    chunk = -(-triton.cdiv(n, splits) // block_n) * block_n
-    splits = triton.cdiv(n, chunk)
     part = torch.empty(b * hkv, splits, block_m, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * hkv, splits, block_m, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     with _on(q):
         _attend_split[(b * hkv, splits)](
-            q.contiguous(), keys, values, limit.contiguous(), part, ml, n, chunk, scale,
+            q.contiguous(), keys, values, limit.contiguous(), part, ml, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), HKV=hkv, M=m, T=t, BLOCK_M=block_m,
-            BLOCK_N=block_n, D=d, num_warps=4,
+            BLOCK_N=64, D=d, num_warps=4,
             PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 exact, not TF32
         )  # fmt: skip
         _attend_join[(b * hkv, m)](part, ml, out, splits, M=m, BLOCK_M=block_m, D=d, num_warps=1)

@@ -118,7 +118,7 @@ def take(step: StaticForward, device: torch.device) -> Kernels:
 @torch.inference_mode()
 def _attend_agrees(step: StaticForward, module: ModuleType, device: torch.device) -> bool:
     """Whether ``module.attend`` computes this step's SDPA call on a sample: 2 rows of 3
-    queries a key head over 320 keys, in 3 chunks."""
+    queries a key head, in 3 chunks each, the longer row's over 302 keys of its slot's 384."""
     hkv, g, d = step.hkv, step.hq // step.hkv, step.d
     dtype = step.dtype
     gen = torch.Generator().manual_seed(6)
@@ -127,7 +127,7 @@ def _attend_agrees(step: StaticForward, module: ModuleType, device: torch.device
     limit = torch.tensor([[5, 6, 7], [300, 301, 302]], device=device)
     mask = step.mask(torch.arange(320, device=device)[None, None, :] < limit[:, :, None], dtype)
     return _agree(
-        lambda: module.attend(q, kv[0], kv[1], limit, 320, step.scaling, 3),
+        lambda: module.attend(q, kv[0], kv[1], limit, step.scaling, 3),
         lambda: F.scaled_dot_product_attention(
             q, kv[0][:2, :, :320], kv[1][:2, :, :320], mask, scale=step.scaling
         ),

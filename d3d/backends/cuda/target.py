@@ -5,7 +5,9 @@ K+1 tokens (plain rows 1, verifying rows an anchor and their drafts, a prompt's 
 chunk): its rows are padded to one width T (1, or K+1 when any row adds more than one), the
 slots to a batch bucket B (1, 2, 4, 8, 16, 32, 64: the smallest that holds every live slot),
 and the step runs as :class:`~d3d.backends.cuda.forward.StaticForward` over slots ``0 .. B-1``,
-captured once per (B, T, n) as a CUDA graph (:mod:`d3d.backends.cuda.graphs`). A pad token's
+captured once per (B, T, n) as a CUDA graph (:mod:`d3d.backends.cuda.graphs`) — once per
+(B, T) where its attention reads the rows' lengths (the split kernel): n is then the slot's
+capacity, whatever the context, and :meth:`CudaTarget.capture` can take every graph up front. A pad token's
 key lands after its row's length, where the next step writes anyway, and its output is dropped;
 a slot whose row is not in the step (a prompt being read) is attended from its own length and
 dropped the same way. Any other step (a prompt's chunk, a row with more than K+1 tokens, a row
@@ -111,7 +113,9 @@ class CudaTarget(BatchTarget):
         x.fill(
             dev[: bucket * width].view(bucket, width), dev[bucket * width : bucket * (width + 1)]
         )
-        n = attended(max(lengths) + width, self.kv.capacity)
+        # keys attended: part of the step's shape only where SDPA reads the first n of them
+        most = max(lengths) + width
+        n = self.kv.capacity if self.step.reads_lengths else attended(most, self.kv.capacity)
         hidden = self.runner.run(x, n)  # [B*T, H]
         kept = dev[bucket * (width + 1) :]
         logits = self.step.head(hidden.index_select(0, kept))  # [M, V]
@@ -123,6 +127,25 @@ class CudaTarget(BatchTarget):
         else:
             self.last_seconds = self.clock.now() - t0
         return list(logits.split([len(w) for w in wanted]))
+
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Every decode step's graph now — each rows bucket, plain and verify width — where one
+        graph per (B, T) serves every context (the step reads the rows' lengths) and no row is
+        open (each step writes its keys from position 0 of slots 0 .. B-1, positions no row
+        holds). How many shapes it met for the first time (0: n is part of the shape here, or
+        rows are open: graphs are then captured on first use, as always)."""
+        if not self.step.reads_lengths or self.kv.slab.rows:
+            return 0
+        before = self.runner.shapes
+        for bucket in self.buckets:
+            for width in self.widths:
+                x = self.inputs.get((bucket, width))
+                if x is None:
+                    x = self.inputs[(bucket, width)] = StepInputs.empty(bucket, width, self.device)
+                x.fill(x.ids.new_zeros(bucket, width), x.lengths.new_zeros(bucket))
+                self.runner.run(x, self.kv.capacity)
+        return self.runner.shapes - before
 
     def _plan(self, rows: Sequence[KvRow], ids: Sequence[Sequence[int]]) -> tuple[int, int] | None:
         """(T, B) of a decode step, or None for a step that runs eagerly (module docstring)."""
