@@ -192,7 +192,7 @@ def cluster():
         RAY_USAGE_STATS_ENABLED="0",
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # nothing to drain: stop at once
     )
-    gcs, http = free_port(), free_port()
+    gcs = free_port()
     log = open(temp_dir / "ray-start.log", "w")  # noqa: SIM115 (closed below)
     head = subprocess.Popen(
         [
@@ -210,13 +210,17 @@ def cluster():
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    c = Cluster(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{http}", env, temp_dir)
+    c = Cluster(f"127.0.0.1:{gcs}", "", env, temp_dir)
     try:
         deadline = time.time() + 180
         while not (temp_dir / "ray_current_cluster").exists():
             assert head.poll() is None, (temp_dir / "ray-start.log").read_text()[-3000:]
             assert time.time() < deadline, "the Ray head did not start in 180 s"
             time.sleep(0.5)
+        # The proxy's port is picked once the head's processes hold theirs (they take free
+        # ports too: one picked before them was taken by one of them in a suite run).
+        http = free_port()
+        c.http = f"http://127.0.0.1:{http}"
         c.cli(
             *("serve", "start", f"--address={c.address}"),
             *("--http-host=127.0.0.1", f"--http-port={http}"),
