@@ -15,9 +15,11 @@ kernels take their place:
 - :func:`attend`: attention of a step whose queries see each row's first keys (the target's
   plain and verify steps), split over the keys: torch's attention with a mask runs one program
   per (row, key head), 8 of an H100's 132 SMs at one row of Qwen3-8B, each reading its head's
-  whole context; here each program reads a chunk of at least 64 keys (chunks enough for two
-  programs an SM), keeps its running maximum and sum, and a second kernel joins the chunks.
-  No mask is built or read. Float32 products stay float32 (not TF32).
+  whole context; here each program reads a chunk of its row's keys (the row's keys in even
+  chunks of whole 64-key tiles, chunks enough for two programs an SM), keeps its running
+  maximum and sum, and a second kernel joins the chunks. No mask is built or read, and nothing
+  depends on how many keys a row has: one captured step serves every context. Float32
+  products stay float32 (not TF32).
 
 Each rounds where the model's own code rounds (the sum before the norm, the normalised value
 before its weight, each product of the rotation before their sum), so it agrees with the torch
