@@ -90,6 +90,12 @@ class ReplayServer(MessageServer):
         self.rows: dict[int, _Row] = {}
         self.pending: Callable[[], bool] = lambda: False  # set by the worker loop
 
+    @property
+    def shapes(self) -> int | None:
+        """The shape's packed forwards' step shapes (None: no shape, or one drafted row by row)."""
+        packed = getattr(self.forwards, "packed", None)
+        return packed.runner.shapes if packed is not None else None
+
     # ----- messages (MessageServer.handle routes them) ----------------------------------
     def _open(self, msg: Open) -> None:
         if not isinstance(msg, ReplayOpen):

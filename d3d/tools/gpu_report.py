@@ -97,7 +97,9 @@ def table(res: dict) -> str:
                     f"{r.get('decode_speedup_vs_ar')}x ({r['speedup_vs_ar']}x) ar | "
                     f"accept {r.get('acceptance_length')}, matches ar {r.get('matches_ar')}, "
                     f"new shapes {r.get('new_shapes')} (graphs taken up front "
-                    f"{res[key].get('captured_up_front')}) | {goal} |"
+                    f"{res[key].get('captured_up_front')})"
+                    + (f", the drafter's {r['drafter_new_shapes']}" if shape else "")
+                    + f" | {goal} |"
                 )
         most = {m: ((modes.get(m) or {}).get("syncs_per_decode_step") or {}).get("max")
                 for m in ("ar", "sync", "async")}  # fmt: skip

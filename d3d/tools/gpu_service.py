@@ -183,7 +183,8 @@ def run_service(
         for mode in s.modes:  # the measured run's shapes, the worker's start: not measured
             left = min(s.stage_seconds, max(time_left() - 5, 1))
             run = run_mode(engine, mode, prompts, s.new_tokens, left)
-            warm[mode] = {"wall_s": round(run.wall_s, 3), "new_shapes": run.new_shapes}
+            warm[mode] = {"wall_s": round(run.wall_s, 3), "new_shapes": run.new_shapes,
+                          "drafter_new_shapes": run.drafter_new_shapes}  # fmt: skip
         out["warmup_s"] = round(engine.clock.now() - t0, 3)
         reference: list[list[int]] | None = None
         for mode in s.modes:

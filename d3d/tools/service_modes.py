@@ -91,6 +91,7 @@ class ModeRun:
     peaks: dict[str, int] | None
     other_syncs: dict[str, int] = field(default_factory=dict)  # other threads' (the worker's)
     new_shapes: int | None = None  # step shapes the target met for the first time (no runner: None)
+    drafter_new_shapes: int | None = None  # the worker's packed forwards' (None: not known here)
 
     @property
     def outputs(self) -> list[list[int]]:
@@ -122,6 +123,7 @@ class ModeRun:
             else None,
             "steps": len(self.steps),
             "new_shapes": self.new_shapes,
+            "drafter_new_shapes": self.drafter_new_shapes,
             "decode_steps": len(decode),
             "prefill_steps": len(self.steps) - len(decode),
             "step_ms": spread([s.seconds * 1e3 for s in decode]),
@@ -155,6 +157,8 @@ def run_mode(
     ]
     runner = getattr(sched.target, "runner", None)  # the cuda backend's graphs (or eager steps)
     shapes = runner.shapes if runner is not None else None
+    drafts = mode != "ar"  # (asking for the worker starts it)
+    drafted = _worker_shapes(engine) if drafts else None
     _reset_peaks(engine)
     t0 = clock.now()
     for req in reqs:
@@ -178,4 +182,15 @@ def run_mode(
     me = threading.current_thread().name  # its leftovers are the clock's waits
     others = {k: v for k, v in syncs.by_thread.items() if k != me}
     new = runner.shapes - shapes if runner is not None else None
-    return ModeRun(mode, requests, steps, wall, t0, timed_out, _peaks(engine), others, new)
+    after = _worker_shapes(engine) if drafts else None
+    drafter_new = after - (drafted or 0) if after is not None else None
+    return ModeRun(mode, requests, steps, wall, t0, timed_out, _peaks(engine), others, new,
+                   drafter_new)  # fmt: skip
+
+
+def _worker_shapes(engine: Engine) -> int | None:
+    """The step shapes the drafter worker's forwards have met, where it runs in a thread of
+    this process and drafts packed (None otherwise: a worker process's server is not here)."""
+    sup = engine.drafters.worker(wait=False) if engine.drafter is not None else None
+    server = getattr(sup.worker if sup is not None else None, "server", None)
+    return getattr(server, "shapes", None)

@@ -54,6 +54,10 @@ class PackedDraftServer(DraftServer):
         # positions past a session's tokens a step may write: a chain and its branch blocks
         self.reserve = (self.cfg.max_branches + 2) * self.packed.block
 
+    @property
+    def shapes(self) -> int:
+        return self.packed.runner.shapes
+
     # ----- sessions -----------------------------------------------------------------------
     def _open(self, msg: Open) -> None:
         sess = _Session(msg.sampling, msg.seed, list(msg.prompt_ids))

@@ -96,6 +96,12 @@ class MessageServer:
     drafter: Any  # the worker reads its device
     pending: Callable[[], bool]  # whether the next message is waiting (set by the worker loop)
 
+    @property
+    def shapes(self) -> int | None:
+        """Step shapes its forwards have met (a graph captured for each on a GPU), where its
+        forwards keep shapes (the cuda backend's packed drafting); None where they do not."""
+        return None
+
     def handle(self, msg: object) -> Iterator[object]:
         sid = getattr(msg, "sid", None)
         try:

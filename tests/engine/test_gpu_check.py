@@ -66,7 +66,10 @@ def test_script_tiny_runs_every_stage(tmp_path):
     assert ex["two_threads_rows_equal"] == [16, 16]
     assert ex["torch_forms_rows_equal"] == 16
 
-    assert "shape=" in res["shaped_replay_1"]["settings"]["drafter"]  # the drafter's forwards
+    shaped = res["shaped_replay_1"]
+    assert "shape=" in shaped["settings"]["drafter"]  # the drafter's forwards, packed (eager)
+    assert shaped["warmup"]["sync"]["drafter_new_shapes"] > 0  # the worker's packed steps
+    assert shaped["modes"]["sync"]["drafter_new_shapes"] == 0  # all met in the warm-up
     assert "replay (instrument), the D3D-1.7B shape's forwards sync, 1 row(s)" in proc.stdout
     for key, rows in (("replay_1", 1), ("replay_16", 16), ("shaped_replay_1", 1)):
         svc = res[key]
