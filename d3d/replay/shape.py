@@ -31,7 +31,7 @@ from transformers import DynamicCache
 
 from d3d.backends.slabs import KvRow
 from d3d.model.drafter import D3DDrafter, DrafterError
-from d3d.model.session import common_prefix, rewind
+from d3d.model.session import rewind
 from d3d.model.shapes import load_config, random_model
 from d3d.worker.drafting import can_batch, draft_blocks, draft_branches
 
@@ -155,7 +155,7 @@ class PackedShapeForwards:
         self.packed = PackedDrafter(drafter, plan)
         self.vocab = shape_vocab(drafter)
         # positions past a row's tokens a step may write: a chain and its branch blocks
-        self.reserve = (branches + 2) * self.packed.block
+        self.reserve = self.packed.reserve(branches)
         self.rows: dict[int, tuple[KvRow, list[int]]] = {}  # sid: its slot, the ids it holds
 
     def drop(self, sid: int) -> None:
@@ -170,8 +170,7 @@ class PackedShapeForwards:
         if sid not in self.rows:
             self.rows[sid] = (self.packed.open(len(ids) + self.reserve), [])
         row, held = self.rows[sid]
-        row.length = common_prefix(held, ids[:-1])
-        return row, ids[row.length : -1], ids[-1]
+        return row, self.packed.cut_back(row, held, ids[:-1]), ids[-1]
 
     @torch.inference_mode()
     def blocks(self, rows: Sequence[tuple[int, Sequence[int]]]) -> None:

@@ -37,7 +37,6 @@ import torch
 
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
 from d3d.backends.cuda.kv import SlotLimitError
-from d3d.model.session import common_prefix
 from d3d.worker.branches import Choice, choose_rows
 from d3d.worker.protocol import Open
 from d3d.worker.server import DraftServer, Prepared, ServerConfig, _Session
@@ -52,7 +51,7 @@ class PackedDraftServer(DraftServer):
         super().__init__(drafter, cfg, clock)
         self.packed = PackedDrafter(drafter, plan)
         # positions past a session's tokens a step may write: a chain and its branch blocks
-        self.reserve = (self.cfg.max_branches + 2) * self.packed.block
+        self.reserve = self.packed.reserve(self.cfg.max_branches)
 
     @property
     def shapes(self) -> int:
@@ -90,9 +89,9 @@ class PackedDraftServer(DraftServer):
         """Cut the row back to its longest prefix shared with the committed tokens but the
         anchor (its length only: the keys past it are scratch); return what it still lacks."""
         want = sess.committed[:-1]
-        common = common_prefix(sess.cached_ids, want)
-        sess.row.length, sess.cached_ids = common, want[:common]
-        return want[common:]
+        pending = self.packed.cut_back(sess.row, sess.cached_ids, want)
+        sess.cached_ids = want[: sess.row.length]
+        return pending
 
     # ----- blocks -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -7,10 +7,10 @@ slots to a batch bucket B (1, 2, 4, 8, 16, 32, 64: the smallest that holds every
 and the step runs as :class:`~d3d.backends.cuda.forward.StaticForward` over slots ``0 .. B-1``,
 captured once per (B, T, n) as a CUDA graph (:mod:`d3d.backends.cuda.graphs`) — once per
 (B, T) where its attention reads the rows' lengths (the split kernel): n is then the slot's
-capacity, whatever the context, and :meth:`CudaTarget.capture` can take every graph up front. A pad token's
-key lands after its row's length, where the next step writes anyway, and its output is dropped;
-a slot whose row is not in the step (a prompt being read) is attended from its own length and
-dropped the same way. Any other step (a prompt's chunk, a row with more than K+1 tokens, a row
+capacity, whatever the context, and :meth:`CudaTarget.capture` can take every graph up front.
+A pad token's key lands after its row's length, where the next step writes anyway, and its
+output is dropped; a slot whose row is not in the step (a prompt being read) is attended from
+its own length and dropped the same way. Any other step (a prompt's chunk, a row with more than K+1 tokens, a row
 near its slot's end) runs the slab KV's eager ragged forward, :class:`~d3d.backends.target.
 BatchTarget`'s, over the same KV.
 
@@ -105,9 +105,7 @@ class CudaTarget(BatchTarget):
         for row, r, w in zip(rows, ids, wanted, strict=True):
             grid[row.slot][: len(r)] = r
             flat += [row.slot * width + t for t in w]
-        x = self.inputs.get((bucket, width))
-        if x is None:
-            x = self.inputs[(bucket, width)] = StepInputs.empty(bucket, width, self.device)
+        x = self._inputs(bucket, width)
         host = torch.tensor([*(t for g in grid for t in g), *lengths, *flat])
         dev = host.to(self.device, non_blocking=True)
         x.fill(
@@ -140,12 +138,17 @@ class CudaTarget(BatchTarget):
         before = self.runner.shapes
         for bucket in self.buckets:
             for width in self.widths:
-                x = self.inputs.get((bucket, width))
-                if x is None:
-                    x = self.inputs[(bucket, width)] = StepInputs.empty(bucket, width, self.device)
+                x = self._inputs(bucket, width)
                 x.fill(x.ids.new_zeros(bucket, width), x.lengths.new_zeros(bucket))
                 self.runner.run(x, self.kv.capacity)
         return self.runner.shapes - before
+
+    def _inputs(self, bucket: int, width: int) -> StepInputs:
+        """The (B, T) step's inputs, at the addresses its graph reads (made on first use)."""
+        x = self.inputs.get((bucket, width))
+        if x is None:
+            x = self.inputs[(bucket, width)] = StepInputs.empty(bucket, width, self.device)
+        return x
 
     def _plan(self, rows: Sequence[KvRow], ids: Sequence[Sequence[int]]) -> tuple[int, int] | None:
         """(T, B) of a decode step, or None for a step that runs eagerly (module docstring)."""
