@@ -34,6 +34,7 @@ from d3d.model.drafter import D3DDrafter, DrafterError
 from d3d.model.session import rewind
 from d3d.model.shapes import load_config, random_model
 from d3d.worker.drafting import can_batch, draft_blocks, draft_branches
+from d3d.worker.packed import cut_back
 
 SHAPE_PREFIX = "shape="
 
@@ -170,7 +171,7 @@ class PackedShapeForwards:
         if sid not in self.rows:
             self.rows[sid] = (self.packed.open(len(ids) + self.reserve), [])
         row, held = self.rows[sid]
-        return row, self.packed.cut_back(row, held, ids[:-1]), ids[-1]
+        return row, cut_back(row, held, ids[:-1]), ids[-1]
 
     @torch.inference_mode()
     def blocks(self, rows: Sequence[tuple[int, Sequence[int]]]) -> None:

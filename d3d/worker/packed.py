@@ -31,15 +31,25 @@ Letters: R rows, K drafts a block, Bk = K+1, n branches a row, V_d draft vocabul
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
 from d3d.backends.cuda.kv import SlotLimitError
+from d3d.backends.slabs import KvRow
+from d3d.model.session import common_prefix
 from d3d.worker.branches import Choice, choose_rows
 from d3d.worker.protocol import Open
 from d3d.worker.server import DraftServer, Prepared, ServerConfig, _Session
+
+
+def cut_back(row: KvRow, held: Sequence[int], want: Sequence[int]) -> list[int]:
+    """Cut a packed drafter's ``row`` (holding the ids ``held``) back to their longest prefix
+    shared with ``want`` — its length only: the keys past it are scratch — and return what it
+    still lacks of ``want``."""
+    row.length = common_prefix(held, want)
+    return list(want[row.length :])
 
 
 class PackedDraftServer(DraftServer):
@@ -89,7 +99,7 @@ class PackedDraftServer(DraftServer):
         """Cut the row back to its longest prefix shared with the committed tokens but the
         anchor (its length only: the keys past it are scratch); return what it still lacks."""
         want = sess.committed[:-1]
-        pending = self.packed.cut_back(sess.row, sess.cached_ids, want)
+        pending = cut_back(sess.row, sess.cached_ids, want)
         sess.cached_ids = want[: sess.row.length]
         return pending
 

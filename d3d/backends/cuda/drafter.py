@@ -40,7 +40,6 @@ from d3d.backends.cuda.graphs import Eager, Graphs
 from d3d.backends.cuda.kv import SlotLimitError, StaticKV, static_shape
 from d3d.backends.cuda.target import BUCKETS
 from d3d.backends.slabs import KvRow
-from d3d.model.session import common_prefix
 
 ROWS = 32  # drafting sessions at once
 KV_TOKENS = 1 << 16  # the drafter's KV budget (positions, all rows)
@@ -117,14 +116,6 @@ class PackedDrafter:
         """Positions past a row's tokens one step may write with ``branches`` branches: a
         chain and a block per branch (and one more block)."""
         return (branches + 2) * self.block
-
-    @staticmethod
-    def cut_back(row: KvRow, held: Sequence[int], want: Sequence[int]) -> list[int]:
-        """Cut ``row`` (holding the ids ``held``) back to their longest prefix shared with
-        ``want`` — its length only: the keys past it are scratch — and return what it still
-        lacks of ``want``."""
-        row.length = common_prefix(held, want)
-        return list(want[row.length :])
 
     # ----- the step ---------------------------------------------------------------------
     @torch.inference_mode()
