@@ -65,6 +65,12 @@ def table(res: dict) -> str:
             f"{row['packed_8_branches_ms']} ms | verify x{row.get('packed_8_over_verify16')} | "
             f"{'within one verify' if name == 'd3d_1_7b' else ''} |"
         )
+        if "sdpa_over_split" in row:
+            lines.append(
+                f"| drafter {name}: packed 8 branches with SDPA's attention, not the split "
+                f"kernel | {row['packed_8_branches_sdpa_ms']} ms | {row['sdpa_over_split']}x "
+                f"the split kernel's | |"
+            )
     ex = res.get("exactness") or {}
     if "rows_equal" in ex:
         lines.append(

@@ -14,7 +14,8 @@
   forward through the cuda backend's packed drafter, :mod:`d3d.backends.cuda.drafter`, captured
   on a GPU; beside it the row-by-row :func:`d3d.worker.drafting.draft_branches`), for a drafter
   of the D3D-1.7B shape (Qwen3-1.7B's dimensions, its own layers) and one of the target's first
-  31 layers.
+  31 layers; and the packed round again with SDPA's attention in place of the split kernel
+  (whose bands let one graph serve every context), so a run says what the kernel costs.
 - :func:`captured_equals_eager`: greedy decoding of rows through captured steps against the
   same steps run eagerly (on a CPU: the eager cuda step against the reference backend), token
   for token; and again with two targets capturing and decoding in two threads at once, as the
@@ -30,6 +31,7 @@ Letters: R rows, S cached context, B block (16).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections.abc import Callable, Sequence
@@ -257,15 +259,25 @@ def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: in
         packed.run([row], [chain], visible, anchors)
         row.length = s  # the next round writes its chain over this one's
 
+    packed_ms = median_ms(packed_round, device, repeats)
     out = {
         "layers": len(drafter.meta.layers),
         "block_ms": median_ms(lambda: drafter.block_scores(ids[-1], cache), device, repeats),
-        f"packed_{branches}_branches_ms": median_ms(packed_round, device, repeats),
+        f"packed_{branches}_branches_ms": packed_ms,
         f"row_by_row_{branches}_branches_ms": median_ms(row_by_row, device, repeats),
         "weight_bytes": param_bytes(drafter),
         "packed_steps": dict(packed.counts),
         "kernels": kernels_taken(packed.step.core),
     }
+    core = packed.step.core
+    if core.kernels.attend:  # the same round with SDPA's attention (a mask, n keys) instead,
+        taken, runner = core.kernels, packed.runner  # in graphs of its own
+        core.kernels = dataclasses.replace(taken, attend=False)
+        packed.runner = type(runner)(packed.step)
+        sdpa_ms = median_ms(packed_round, device, repeats)
+        core.kernels, packed.runner = taken, runner
+        out[f"packed_{branches}_branches_sdpa_ms"] = sdpa_ms
+        out["sdpa_over_split"] = round(sdpa_ms / packed_ms, 3)
     packed.close(row)
     return out
 

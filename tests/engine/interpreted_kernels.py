@@ -96,7 +96,7 @@ def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype, ad
     packs = [PackedDrafter(d, plan) for _ in "ab"]
     packs[1].step.core.kernels = Kernels.none(2)
     k = packs[0].step.core.kernels
-    assert k.add_norm and k.qk_in == k.silu_mul == [not adapters] * 2
+    assert k.add_norm and k.attend and k.qk_in == k.silu_mul == [not adapters] * 2
     prefixes = [[3, 8, 13, 21, 5, 6], [(5 * i) % 90 + 2 for i in range(20)]]
     none = torch.zeros(2, 0, dtype=torch.long)
     outs = []
@@ -107,6 +107,51 @@ def test_the_packed_drafter_drafts_the_same_blocks_through_the_kernels(dtype, ad
         anchors = torch.tensor([[x[-1]] for x in prefixes])
         outs.append(p.run(rows, [[] for _ in prefixes], visible, anchors).blocks)
     torch.testing.assert_close(outs[0], outs[1], **_tol(dtype))
+
+
+def test_the_packed_drafter_meets_one_shape_per_step_form_whatever_the_context():
+    """Through the split attention (a bound and a band a query) the keys a packed step attends
+    are no part of its shape: rows drafting (a chain and two blocks) through contexts that
+    SDPA's steps attend in 256 and 512 keys meet one shape, their blocks still the torch forms'
+    (whose steps meet two)."""
+    target = tiny_model("qwen3", seed=2)
+    d = D3DDrafter.from_target(target, 2, block_size=5)
+    CudaBackend(graphs=False).prepare_drafter(d.lm)
+    plan = PackedPlan(graphs=False, rows=2, kv_tokens=2048)
+    packs = [PackedDrafter(d, plan) for _ in "ab"]
+    packs[1].step.core.kernels = Kernels.none(2)
+    assert packs[0].step.core.reads_lengths and not packs[1].step.core.reads_lengths
+    gen = torch.Generator().manual_seed(1)
+    rows = [[p.open(480) for _ in range(2)] for p in packs]
+    for grow in (100, 1, 150, 1, 150, 1):  # a long chain (eager), then a packed step
+        chains = [torch.randint(2, 90, (grow + i,), generator=gen).tolist() for i in range(2)]
+        if grow == 1:  # a block's chain and two blocks a row, visible inside the chain
+            chains = [torch.randint(2, 90, (5,), generator=gen).tolist() for _ in range(2)]
+            k = torch.randint(0, 6, (2, 2), generator=gen)
+            anchors = torch.randint(2, 90, (2, 2), generator=gen)
+        outs = []
+        for p, rs in zip(packs, rows, strict=True):
+            if grow == 1:
+                visible = torch.tensor([[r.length] for r in rs]) + k
+                outs.append(p.run(rs, chains, visible, anchors).blocks)
+            else:  # the long chains through the torch forms (the interpreter is slow)
+                none = torch.zeros(2, 0, dtype=torch.long)
+                taken, p.step.core.kernels = p.step.core.kernels, Kernels.none(2)
+                p.run(rs, chains, none, none)
+                p.step.core.kernels = taken
+        if outs:
+            torch.testing.assert_close(outs[0], outs[1], **_tol(torch.float32))
+    assert packs[0].counts == packs[1].counts == {"packed": 3, "eager": 3}
+    assert packs[0].runner.shapes == 1 and packs[1].runner.shapes == 2
+
+
+def test_the_checks_drafter_stage_times_the_round_with_sdpa_beside_the_split_kernel():
+    from d3d.tools.gpu_stages import drafter_rounds
+
+    d = D3DDrafter.from_target(tiny_model("qwen3", seed=2), 2, block_size=16)
+    out = drafter_rounds(d, context=20, repeats=1, branches=2)
+    assert out["kernels"]["attend"] and out["packed_steps"]["packed"] >= 2
+    assert out["packed_2_branches_sdpa_ms"] > 0 and out["sdpa_over_split"] > 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -181,18 +226,30 @@ def test_a_step_through_the_kernels_launches_about_half_the_operations_a_layer()
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_split_attention_equals_sdpa_with_the_rows_mask(dtype, splits):
-    """Rows of 1 and 6 queries a key head, some chunks past every key a row sees."""
+    """Rows of 1 and 6 queries a key head, some chunks past every key a row sees; rows of 40
+    queries a key head (two and three tiles of 64, at G = 2 and 4) that each see a prefix and a band
+    (the drafter's blocks), some bands inside the prefix, some empty."""
     from d3d.backends.cuda import kernels
 
     gen = torch.Generator().manual_seed(splits)
-    for b, t, g, hkv, d, n in [(1, 1, 4, 2, 16, 256), (3, 6, 2, 2, 16, 320), (2, 1, 2, 4, 32, 512)]:
+    cases = [(1, 1, 4, 2, 16, 256, False), (3, 6, 2, 2, 16, 320, False),
+             (2, 1, 2, 4, 32, 512, False), (2, 40, 2, 2, 16, 512, True),
+             (1, 40, 4, 1, 16, 384, True)]  # fmt: skip
+    for b, t, g, hkv, d, n, banded in cases:
         keys, values = (torch.randn(b + 1, hkv, 640, d, generator=gen).to(dtype) for _ in "kv")
         q = torch.randn(b, hkv, g * t, d, generator=gen).to(dtype)
         lengths = torch.randint(0, n - t, (b,), generator=gen)
         limit = lengths[:, None] + torch.arange(1, t + 1)
-        got = kernels.attend(q, keys, values, limit, d**-0.5, splits)
-        sees = (torch.arange(n)[None, None, :] < limit[:, :, None])[:, None, None]
-        sees = sees.expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+        band = None
+        if banded:
+            lo = torch.randint(0, n - 16, (b, t), generator=gen)
+            band = (lo, lo + torch.randint(0, 17, (b, t), generator=gen))
+        got = kernels.attend(q, keys, values, limit, d**-0.5, splits, band)
+        sees = torch.arange(n)[None, None, :] < limit[:, :, None]
+        if band is not None:
+            j = torch.arange(n)[None, None, :]
+            sees = sees | ((j >= band[0][:, :, None]) & (j < band[1][:, :, None]))
+        sees = sees[:, None, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
         mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
         want = torch.nn.functional.scaled_dot_product_attention(
             q, keys[:b, :, :n], values[:b, :, :n], mask, scale=d**-0.5

@@ -41,7 +41,8 @@ def _signature(kernel, dtype: str, constexprs: dict) -> dict:
         elif name in ("part_ptr", "ml_ptr", "o_ptr"):
             out[name] = "*fp32"  # the split attention's partial sums
         else:
-            out[name] = "*i64" if name in ("slot_ptr", "at_ptr", "limit_ptr") else f"*{dtype}"
+            ints64 = ("slot_ptr", "at_ptr", "limit_ptr", "lo_ptr", "hi_ptr")
+            out[name] = "*i64" if name in ints64 else f"*{dtype}"
     return out
 
 
@@ -65,13 +66,17 @@ def test_the_kernels_compile_for_the_lent_gpus(dtype):
         (k._qk_in, {"G": 4, "HQ": 32, "HKV": 8, "D": 128, "NORM": False}, 1),
     ]
     prec = "ieee" if dtype == "fp32" else "tf32"
-    for t in (1, 16):  # a plain step and a 16-token verify: G*T queries a key head
-        m = 4 * t
-        split = {"HKV": 8, "M": m, "T": t, "BLOCK_M": max(16, m), "BLOCK_N": 64, "D": 128,
-                 "PREC": prec}  # fmt: skip
+    # a plain step and a 16-token verify (G*T queries a key head), and the D3D-1.7B drafter's
+    # packed step of a chain and 8 blocks (G 2, T 16 + 8*16: five tiles, with bands)
+    for g, t, band in ((4, 1, False), (4, 16, False), (2, 144, True)):
+        m = g * t
+        tile = min(k.QUERY_TILE, max(16, m))
+        pad = -(-m // tile) * tile
+        split = {"HKV": 8, "M": m, "T": t, "BLOCK_M": tile, "BLOCK_N": 64, "D": 128,
+                 "PREC": prec, "BAND": band}  # fmt: skip
         cases += [
             (k._attend_split, split, 4),
-            (k._attend_join, {"M": m, "BLOCK_M": max(16, m), "D": 128}, 1),
+            (k._attend_join, {"M": m, "PAD": pad, "D": 128}, 1),
         ]
     for kernel, constexprs, warps in cases:
         src = ASTSource(fn=kernel, signature=_signature(kernel, dtype, constexprs),

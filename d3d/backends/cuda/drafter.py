@@ -10,8 +10,10 @@ packed forward, captured per shape.
   rows fill slots ``0 .. L-1`` (a row that leaves is replaced by the last), as the target's do.
 - **Step** (:class:`~d3d.backends.cuda.drafter_step.PackedForward`): rows padded to a bucket
   of slots and their chains to W = 0 or Bk tokens; with nb blocks a row the shape is (bucket,
-  W, nb, n keys attended), replayed from a CUDA graph per shape (:mod:`~d3d.backends.cuda.
-  graphs`). Anything else (a chain longer than a block: a prompt, a long catch-up; a row near
+  W, nb), replayed from a CUDA graph per shape (:mod:`~d3d.backends.cuda.graphs`), whatever
+  the context: the split attention kernel reads each query's bounds (where a sample proves it,
+  :attr:`~d3d.backends.cuda.forward.StaticForward.reads_lengths`; else SDPA attends the first
+  n keys and n, in a few sizes a doubling, is part of the shape). Anything else (a chain longer than a block: a prompt, a long catch-up; a row near
   its slot's end) runs the same step eagerly over just the step's rows.
 - **Copies**: one host-to-device copy of the chains, lengths and slots per step; the blocks'
   anchors and visible lengths may already be on the device (the on-device branch choice,
@@ -173,7 +175,9 @@ class PackedDrafter:
         if nb:
             x.visible.index_copy_(0, at_d, visible.to(self.device, torch.long))
             x.anchors(width, kb).index_copy_(0, at_d, anchors.to(self.device, torch.long))
-        n = attended(max(lengths) + t, self.kv.capacity)
+        # keys attended: part of the shape only where SDPA reads the first n of them
+        split = captured and self.step.core.reads_lengths
+        n = self.kv.capacity if split else attended(max(lengths) + t, self.kv.capacity)
         if captured:
             self.counts["packed"] += 1
             hidden = self.runner.run(x, n)  # [B*T, H]

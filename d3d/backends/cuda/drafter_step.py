@@ -11,16 +11,17 @@ block b carries its own *visible* length v_b: it sits at rotary positions ``v_b 
 row's next block after a miss is one block with v = length + chain, and a row's branches are
 nb blocks after its chain with v_b = committed + k_b and anchor r_b — the same forward.
 
-The mask [B, T, n] is built on the device from the step's lengths [B] and visible [B, nb]::
+What each query sees is built on the device from the step's lengths [B] and visible [B, nb],
+as a bound and a band a query (each [B, T])::
 
-    chain query at storage p:   key j <= p                          (causal)
-    block query (b, s):         j < v_b  or  j in block b's slots    (bidirectional block)
+    chain query at storage p:   key j <= p                          (causal: limit p + 1)
+    block query (b, s):         j < v_b  or  j in block b's slots    (limit v_b, band: the block)
 
 and, for a drafter with gated adapters, a block's anchor (s = 0) sees none of its mask slots
 (ungated rows compute exactly the frozen layers, :mod:`d3d.model.adapters`). Chain pads (rows
 with fewer than W chain tokens) and rows not in the step write keys only past their length and
 are never attended by a real query. Everything but the decoder layers (the embeddings, the
-mask embedding at the mask slots, positions and mask) is computed here from tensors at fixed
+mask embedding at the mask slots, positions and what each query sees) is computed here from tensors at fixed
 addresses (:class:`PackedInputs`); the layers are :meth:`StaticForward.layers_over`, the target
 step's own. The LM head runs outside, on the block slots that predict drafts only.
 
@@ -96,17 +97,18 @@ class PackedForward:
         own = torch.full_like(slot, kb)
         if self.adapters is not None:  # anchors blind to their mask slots
             own = torch.where(slot == 0, 1, own)
-        j = torch.arange(n, device=dev)[None, None, :]
-        causal = j <= store[:, :, None]
-        sees_block = (j < vis[:, :, None]) | (
-            (j >= start[:, :, None]) & (j < (start + own)[:, :, None])
-        )
-        sees = torch.where(in_block[None, :, None], sees_block, causal)  # [B, T, n]
+        # a chain query sees the keys up to its own (causal); a block query its visible
+        # prefix and the band of its own block's slots
+        limit = torch.where(in_block, vis, store + 1)  # [B, T]
+        lo = torch.where(in_block, start, 0)
+        hi = torch.where(in_block, start + own, 0)
         h = self.core.inner.embed_tokens(x.ids.reshape(-1))  # [N, H]
         mask_rows = gated.repeat(b)  # [N]
         h = torch.where(mask_rows[:, None], self.mask_embedding.to(h.dtype), h)
         with self._gate(mask_rows, h.dtype, nb):
-            return self.core.layers_over(h, pos.reshape(1, -1), store.reshape(-1), sees, n, slots)
+            return self.core.layers_over(
+                h, pos.reshape(1, -1), store.reshape(-1), limit, n, slots, (lo, hi) if nb else None
+            )
 
     @contextlib.contextmanager
     def _gate(self, rows: torch.Tensor, dtype: torch.dtype, blocks: int) -> Iterator[None]:

@@ -20,8 +20,9 @@ need logits only, so a graph's output is the hidden states [B*T, H], not [B*T, V
 Attention reads the first n positions of the B slots in place (n covers the longest row, in a
 few graph shapes per doubling, :func:`attended`), the G = Hq / Hkv query heads that share a key
 head stacked as one matrix of G*T queries against it (each key is read once, no repeated KV),
-masked by each row's length: one ``scaled_dot_product_attention`` call per layer for the whole
-step. The split attention kernel reads each row's length instead and n plays no part
+masked by what each query sees (its keys before a limit; a drafter's block also a band of its
+own slots, :meth:`StaticForward.seen`): one ``scaled_dot_product_attention`` call per layer for
+the whole step. The split attention kernel reads those bounds instead and n plays no part
 (:attr:`StaticForward.reads_lengths`): then one graph per (B, T) serves every context.
 
 The model's own weights and modules compute everything else, in the model's forms or, where a
@@ -188,37 +189,35 @@ class StaticForward:
         # query t of a row sees the keys before length + t + 1: [B, T]
         limit = x.lengths[:, None] + torch.arange(1, t + 1, device=ids.device)
         h = self.inner.embed_tokens(ids)  # [N, H]
-        return self.layers_over(h, pos, pos[0], None, n, limit=limit)
+        return self.layers_over(h, pos, pos[0], limit, n)
 
     def layers_over(
         self,
         h: torch.Tensor,
         pos: torch.Tensor,
         at: torch.Tensor,
-        sees: torch.Tensor | None,
+        limit: torch.Tensor,
         n: int,
         slots: torch.Tensor | None = None,
-        limit: torch.Tensor | None = None,
+        band: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The decoder layers and final norm over new tokens h [N, H] (N = B*T, row by row):
         rotary positions ``pos`` [1, N], each new key written at position ``at`` [N] of its
-        row's slot, attention over the first n keys masked by ``sees`` [B, T, n] (True: may
-        attend), or where ``sees`` is None, each query seeing its row's first ``limit`` [B, T]
-        keys (the split attention kernel reads the limit; SDPA a mask made from it). ``slots``
-        [B]: the rows' slots (None: slots 0 .. B-1, read in place; else gathered, an eager
-        step's rows). Returns [N, H]."""
-        b, t = (sees if sees is not None else limit).shape[:2]
+        row's slot, each query seeing its row's keys before ``limit`` [B, T] and, where
+        ``band`` (lo, hi) [B, T] is given, its keys lo .. hi - 1 too (:meth:`seen`). The split
+        attention kernel reads these bounds; SDPA attends the first n keys through a mask made
+        from them. ``slots`` [B]: the rows' slots (None: slots 0 .. B-1, read in place; else
+        gathered, an eager step's rows, SDPA). Returns [N, H]."""
+        b, t = limit.shape
         hq, hkv, d = self.hq, self.hkv, self.d
         g = hq // hkv
         cos, sin = self.inner.rotary_emb(h[None], pos)  # [1, N, D] each
         rows = torch.arange(b, device=h.device) if slots is None else slots
         write = rows.repeat_interleave(t)  # [N]: each new key's slot
         k = self.kernels
-        split = k.attend and sees is None and slots is None  # the split attention kernel
+        split = k.attend and slots is None  # the split attention kernel
         if not split:
-            if sees is None:
-                sees = torch.arange(n, device=h.device)[None, None, :] < limit[:, :, None]
-            mask = self.mask(sees, h.dtype)
+            mask = self.mask(self.seen(limit, band, n), h.dtype)
         x = (self.norms[0][0] if self.layers else self.final_norm)(h)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
@@ -242,7 +241,7 @@ class StaticForward:
                 vb = self.values[i].narrow(2, 0, n).index_select(0, slots)
             if split:
                 o = k.module.attend(qb, self.keys[i], self.values[i], limit, self.scaling,
-                                    self.splits(b))  # fmt: skip
+                                    self.splits(b, g * t), band)  # fmt: skip
             else:
                 o = F.scaled_dot_product_attention(qb, kb, vb, mask, scale=self.scaling)
             o = o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hq * d)
@@ -287,6 +286,18 @@ class StaticForward:
         h = h + delta
         return h, norm(h)
 
+    @staticmethod
+    def seen(
+        limit: torch.Tensor, band: tuple[torch.Tensor, torch.Tensor] | None, n: int
+    ) -> torch.Tensor:
+        """Which of the first n keys each query sees, [B, T, n] (True: may attend): the keys
+        before ``limit`` [B, T], and the keys lo .. hi - 1 of ``band`` (lo, hi) [B, T] each."""
+        j = torch.arange(n, device=limit.device)[None, None, :]
+        sees = j < limit[:, :, None]
+        if band is not None:
+            sees = sees | ((j >= band[0][:, :, None]) & (j < band[1][:, :, None]))
+        return sees
+
     def mask(self, sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """SDPA's additive mask [B, 1, G*T, n] for query (g, t) of a row from ``sees``
         [B, T, n] (made once a step, not by SDPA in every layer)."""
@@ -303,16 +314,19 @@ class StaticForward:
         qn = self.qk_norms[i]
         return (qn[0].weight, qn[1].weight, qn[0].eps) if qn is not None else None
 
-    def splits(self, rows: int) -> int:
-        """Chunks the split attention cuts each row's keys into at ``rows`` rows: enough programs
-        to keep every SM reading (two per SM), no more than a slot's 64-key tiles."""
-        return max(1, min(-(-self.keys[0].shape[2] // 64), -(-2 * self.sms // (rows * self.hkv))))
+    def splits(self, rows: int, queries: int) -> int:
+        """Chunks the split attention cuts each row's keys into at ``rows`` rows of ``queries``
+        queries a key head (G*T, in the kernel's tiles of at most 64): enough programs to keep
+        every SM reading (two per SM), no more than a slot's 64-key tiles."""
+        programs = rows * self.hkv * -(-queries // 64)
+        return max(1, min(-(-self.keys[0].shape[2] // 64), -(-2 * self.sms // programs)))
 
     @property
     def reads_lengths(self) -> bool:
-        """Whether the step's attention reads each row's length (the split kernel), so that the
-        keys a step attends are no part of its shape: one graph per (rows, width) serves every
-        context; else SDPA attends the first n keys, and n is part of the shape."""
+        """Whether the step's attention reads each query's bounds (the split kernel), so that
+        the keys a step attends are no part of its shape: one graph per (rows, width) serves
+        every context (the drafter's: per rows, chain width and blocks); else SDPA attends the
+        first n keys, and n is part of the shape."""
         return self.kernels.attend
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,14 +12,16 @@ kernels take their place:
   and k (Qwen3), the rotation of both, the new keys and values written into their slots, and q
   laid out as attention reads it ([B, Hkv, G*T, D]): about eleven kernels become one.
 - :func:`silu_mul`: the MLP's ``silu(gate) * up``: two kernels become one.
-- :func:`attend`: attention of a step whose queries see each row's first keys (the target's
-  plain and verify steps), split over the keys: torch's attention with a mask runs one program
-  per (row, key head), 8 of an H100's 132 SMs at one row of Qwen3-8B, each reading its head's
-  whole context; here each program reads a chunk of its row's keys (the row's keys in even
-  chunks of whole 64-key tiles, chunks enough for two programs an SM), keeps its running
-  maximum and sum, and a second kernel joins the chunks. No mask is built or read, and nothing
-  depends on how many keys a row has: one captured step serves every context. Float32
-  products stay float32 (not TF32).
+- :func:`attend`: attention of a step whose queries each see their row's keys before a limit
+  (the target's plain and verify steps, a drafter's chain) and, where given, a band (a
+  drafter's block: its visible prefix by the limit, its own slots by the band), split over the
+  keys: torch's attention with a mask runs one program per (row, key head), 8 of an H100's 132
+  SMs at one row of Qwen3-8B, each reading its head's whole context; here each program reads a
+  chunk of its row's keys for a tile of at most 64 queries (the keys in even chunks of whole
+  64-key tiles, chunks enough for two programs an SM), keeps its running maximum and sum, and
+  a second kernel joins the chunks. No mask is built or read, and nothing depends on how many
+  keys a row has: one captured step serves every context. Float32 products stay float32 (not
+  TF32).
 
 Each rounds where the model's own code rounds (the sum before the norm, the normalised value
 before its weight, each product of the rotation before their sum), so it agrees with the torch
@@ -40,6 +42,8 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+
+QUERY_TILE = 64  # the most queries a split attention program takes (its shared memory)
 
 
 @triton.jit
@@ -176,21 +180,27 @@ def qk_in(
 
 
 @triton.jit
-def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, o_ptr, ml_ptr, scale, s_slot, s_head, s_pos, HKV: tl.constexpr, M: tl.constexpr, T: tl.constexpr,
+def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, lo_ptr, hi_ptr, o_ptr, ml_ptr, scale, s_slot,
+                  s_head, s_pos, HKV: tl.constexpr, M: tl.constexpr, T: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                  PREC: tl.constexpr):  # fmt: skip
+                  PREC: tl.constexpr, BAND: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)  # row b, key head h: bh = b * HKV + h
     split = tl.program_id(1)
     splits = tl.num_programs(1)
+    pad = tl.num_programs(2) * BLOCK_M  # the queries' rows in the partial sums, tiles padded
     b = bh // HKV
     h = bh % HKV
-    m_at = tl.arange(0, BLOCK_M)
+    m_at = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's queries
     d_at = tl.arange(0, D)
     real = m_at < M
     q = tl.load(q_ptr + (bh * M + m_at[:, None]) * D + d_at[None, :], mask=real[:, None], other=0.0)
-    # query m = g * T + t sees keys j < limit[b, t]
+    # query m = g * T + t sees keys j < limit[b, t] (and, with a band, lo <= j < hi)
     limit = tl.load(limit_ptr + b * T + m_at % T, mask=real, other=0)
-    span = tl.max(limit, 0)  # the keys this row's queries see: its splits share them evenly
+    span = tl.max(limit, 0)  # the keys this tile's queries see: its splits share them evenly
+    if BAND:
+        lo = tl.load(lo_ptr + b * T + m_at % T, mask=real, other=0)
+        hi = tl.load(hi_ptr + b * T + m_at % T, mask=real, other=0)
+        span = tl.maximum(span, tl.max(hi, 0))
     chunk = tl.cdiv(tl.cdiv(span, splits), BLOCK_N) * BLOCK_N
     best = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a split that sees no key adds 0
     total = tl.zeros([BLOCK_M], tl.float32)
@@ -205,7 +215,10 @@ def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, o_ptr, ml_ptr, scale, s_slot, 
         )
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         s = s * scale
-        s = tl.where((j[None, :] < limit[:, None]) & inside[None, :], s, float("-inf"))
+        sees = j[None, :] < limit[:, None]
+        if BAND:
+            sees = sees | ((j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None]))
+        s = tl.where(sees & inside[None, :], s, float("-inf"))
         new = tl.maximum(best, tl.max(s, 1))
         p = tl.exp(s - new[:, None])
         fade = tl.exp(best - new)
@@ -215,25 +228,25 @@ def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, o_ptr, ml_ptr, scale, s_slot, 
         )
         acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         best = new
-    part = (bh * splits + split) * BLOCK_M + m_at
+    part = (bh * splits + split) * pad + m_at
     tl.store(o_ptr + part[:, None] * D + d_at[None, :], acc)
     tl.store(ml_ptr + part * 2, best)
     tl.store(ml_ptr + part * 2 + 1, total)
 
 
 @triton.jit
-def _attend_join(part_ptr, ml_ptr, out_ptr, splits, M: tl.constexpr, BLOCK_M: tl.constexpr,
+def _attend_join(part_ptr, ml_ptr, out_ptr, splits, M: tl.constexpr, PAD: tl.constexpr,
                  D: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1)
     d_at = tl.arange(0, D)
-    top = tl.load(ml_ptr + (bh * splits * BLOCK_M + m) * 2)
+    top = tl.load(ml_ptr + (bh * splits * PAD + m) * 2)
     for s in tl.range(1, splits):
-        top = tl.maximum(top, tl.load(ml_ptr + ((bh * splits + s) * BLOCK_M + m) * 2))
+        top = tl.maximum(top, tl.load(ml_ptr + ((bh * splits + s) * PAD + m) * 2))
     acc = tl.zeros([D], tl.float32)
     total = top * 0.0
     for s in tl.range(0, splits):
-        at = (bh * splits + s) * BLOCK_M + m
+        at = (bh * splits + s) * PAD + m
         w = tl.exp(tl.load(ml_ptr + at * 2) - top)
         total += w * tl.load(ml_ptr + at * 2 + 1)
         acc += w * tl.load(part_ptr + at * D + d_at)
@@ -248,10 +261,13 @@ def attend(
     limit: torch.Tensor,
     scale: float,
     splits: int,
+    band: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hkv, G*T, D] (query g*T + t) over slots 0 .. B-1 of ``keys`` /
-    ``values`` [S, Hkv, C, D], query t of row b seeing the keys before ``limit`` [B, T]: each
-    row's keys split into ``splits`` even chunks (of whole 64-key tiles), each chunk's
+    ``values`` [S, Hkv, C, D], query t of row b seeing the keys before ``limit`` [B, T] and,
+    where ``band`` (lo, hi) [B, T] is given, the keys lo .. hi - 1 too (a drafter's block sees
+    its prefix and its own slots): the queries in tiles of at most :data:`QUERY_TILE`, each
+    tile's keys split into ``splits`` even chunks (of whole 64-key tiles), each chunk's
     softmax-weighted sum in a program of its own, then joined (a decode step at few rows keeps
     every SM reading). Nothing here depends on how many keys a row has: a CUDA graph of it
     serves every context. Returns [B, Hkv, G*T, D] in q's dtype."""
@@ -259,16 +275,19 @@ def attend(
     t = limit.shape[1]
     if keys.stride() != values.stride() or keys.stride(3) != 1:
         raise ValueError("keys and values in one layout, rows contiguous")
-    block_m = max(16, triton.next_power_of_2(m))
-    part = torch.empty(b * hkv, splits, block_m, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(b * hkv, splits, block_m, 2, dtype=torch.float32, device=q.device)
+    block_m = min(QUERY_TILE, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(m, block_m)
+    pad = tiles * block_m
+    part = torch.empty(b * hkv, splits, pad, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b * hkv, splits, pad, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    lo, hi = (x.contiguous() for x in band) if band is not None else (limit, limit)
     with _on(q):
-        _attend_split[(b * hkv, splits)](
-            q.contiguous(), keys, values, limit.contiguous(), part, ml, scale,
+        _attend_split[(b * hkv, splits, tiles)](
+            q.contiguous(), keys, values, limit.contiguous(), lo, hi, part, ml, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), HKV=hkv, M=m, T=t, BLOCK_M=block_m,
-            BLOCK_N=64, D=d, num_warps=4,
+            BLOCK_N=64, D=d, num_warps=4, BAND=band is not None,
             PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 exact, not TF32
         )  # fmt: skip
-        _attend_join[(b * hkv, m)](part, ml, out, splits, M=m, BLOCK_M=block_m, D=d, num_warps=1)
+        _attend_join[(b * hkv, m)](part, ml, out, splits, M=m, PAD=pad, D=d, num_warps=1)
     return out

@@ -31,7 +31,7 @@ class Kernels:
     """The Triton kernels a step takes: ``module`` (None: none), the residual add and norm as
     one kernel (``add_norm``, every layer or none), per layer the q/k path and the MLP's
     activation, and attention split over the keys (``attend``: a step over slots in place
-    whose queries see each row's first keys — the target's, not the drafter's blocks)."""
+    whose queries each see their row's first keys and, the drafter's blocks, a band)."""
 
     module: ModuleType | None
     add_norm: bool
@@ -117,20 +117,30 @@ def take(step: StaticForward, device: torch.device) -> Kernels:
 
 @torch.inference_mode()
 def _attend_agrees(step: StaticForward, module: ModuleType, device: torch.device) -> bool:
-    """Whether ``module.attend`` computes this step's SDPA call on a sample: 2 rows of 3
-    queries a key head, in 3 chunks each, the longer row's over 302 keys of its slot's 384."""
+    """Whether ``module.attend`` computes this step's SDPA call on two samples, each 2 rows
+    in 3 chunks over slots of 384 keys: 3 queries a key head seeing the keys before a bound
+    (the target's; the longer row's 302 keys), and two tiles of queries each seeing a prefix
+    and a band of its own (the drafter's blocks)."""
     hkv, g, d = step.hkv, step.hq // step.hkv, step.d
     dtype = step.dtype
     gen = torch.Generator().manual_seed(6)
     kv = [torch.randn(3, hkv, 384, d, generator=gen).to(device, dtype) for _ in "kv"]
-    q = torch.randn(2, hkv, g * 3, d, generator=gen).to(device, dtype)
-    limit = torch.tensor([[5, 6, 7], [300, 301, 302]], device=device)
-    mask = step.mask(torch.arange(320, device=device)[None, None, :] < limit[:, :, None], dtype)
-    return _agree(
-        lambda: module.attend(q, kv[0], kv[1], limit, step.scaling, 3),
-        lambda: F.scaled_dot_product_attention(
-            q, kv[0][:2, :, :320], kv[1][:2, :, :320], mask, scale=step.scaling
-        ),
+
+    def agrees(limit: torch.Tensor, band: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        q = torch.randn(2, hkv, g * limit.shape[1], d, generator=gen).to(device, dtype)
+        mask = step.mask(step.seen(limit, band, 384), dtype)
+        return _agree(
+            lambda: module.attend(q, kv[0], kv[1], limit, step.scaling, 3, band),
+            lambda: F.scaled_dot_product_attention(
+                q, kv[0][:2], kv[1][:2], mask, scale=step.scaling
+            ),
+        )
+
+    t = -(-65 // g)  # queries a key head past one tile (64)
+    lo = torch.randint(0, 360, (2, t), generator=gen)
+    band = (lo.to(device), (lo + torch.randint(0, 17, (2, t), generator=gen)).to(device))
+    return agrees(torch.tensor([[5, 6, 7], [300, 301, 302]], device=device), None) and agrees(
+        torch.randint(1, 300, (2, t), generator=gen).to(device), band
     )
 
 
