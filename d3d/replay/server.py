@@ -16,7 +16,8 @@ a real drafter's do. What it replaces is the drafter's judgement:
 - with a drafter shape (:mod:`d3d.replay.shape`) every block and branch forward of that
   drafter runs for real, on the committed tokens, so the worker's time, the branch budget and
   whether branches fit inside the verify are real; without one, blocks cost nothing and each
-  round prepares ``max_branches`` branches (or ``fixed_branches``).
+  round prepares ``max_branches`` branches (or ``fixed_branches``). A row whose slot in the
+  shape's packed KV cannot take a step fails alone before the step, as on the D3D worker.
 
 The recording reaches the worker with the request: the target's side sends a
 :class:`ReplayOpen` (:class:`~d3d.replay.drafter.ReplayLink`), so a worker in another process
@@ -33,6 +34,7 @@ from typing import Protocol
 import torch
 
 from d3d.backends.clock import Clock
+from d3d.backends.cuda.kv import SlotLimitError
 from d3d.model.drafter import D3DDrafter
 from d3d.model.meta import DrafterError
 from d3d.replay.schedule import Planned, Replay, decoys
@@ -115,7 +117,18 @@ class ReplayServer(MessageServer):
     def _commits(self, msgs: list[Commit]) -> Iterator[object]:
         """One step's commits: hits out at once, then the misses' blocks, then every row's
         branches for the next round, while the target verifies."""
-        live = [(m, self.rows[m.sid]) for m in msgs if m.sid in self.rows]
+        live = []
+        for m in msgs:
+            row = self.rows.get(m.sid)
+            if row is None:
+                continue
+            try:  # a row the shape's slot cannot step fails alone, before the step
+                if self.forwards is not None:
+                    self.forwards.check(len(row.committed) + len(m.tokens))
+            except SlotLimitError as exc:
+                yield self._failed(m.sid, exc)
+            else:
+                live.append((m, row))
         verify = [m.verify_s for m, row in live if len(row.committed) > row.replay.prompt_len]
         if verify:  # the first commit's time is the prefill's
             self.budget.observe_verify(max(verify))

@@ -101,6 +101,9 @@ class ShapeForwards:
     def drop(self, sid: int) -> None:
         self.caches.pop(sid, None)
 
+    def check(self, tokens: int) -> None:
+        """Nothing to refuse: a row's cache grows as it needs."""
+
     def _read(self, sid: int, committed: Sequence[int]) -> tuple[DynamicCache, list[int], int]:
         """The row's cache cut back to the committed tokens but the last; the ones it still
         lacks; the anchor."""
@@ -163,6 +166,11 @@ class PackedShapeForwards:
         got = self.rows.pop(sid, None)
         if got is not None:
             self.packed.close(got[0])
+
+    def check(self, tokens: int) -> None:
+        """Raise :class:`~d3d.backends.cuda.kv.SlotLimitError` where a row of ``tokens``
+        committed tokens cannot take a step in its slot (it fails alone, before the step)."""
+        self.packed.check_room(tokens, self.reserve)
 
     def _read(self, sid: int, committed: Sequence[int]) -> tuple[KvRow, list[int], int]:
         """The row's slot cut back to the committed tokens but the last; the ones it still

@@ -82,10 +82,11 @@ class PackedDraftServer(DraftServer):
         fit = []
         for msg in msgs:
             sess = self.sessions.get(msg.sid)
-            need = (len(sess.committed) + len(msg.tokens) + self.reserve) if sess else 0
-            if need > self.packed.kv.capacity:
-                yield self._failed(msg.sid, SlotLimitError(need, self.packed.kv.capacity,
-                                                           self.packed.kv.slots))  # fmt: skip
+            try:
+                if sess is not None:
+                    self.packed.check_room(len(sess.committed) + len(msg.tokens), self.reserve)
+            except SlotLimitError as exc:
+                yield self._failed(msg.sid, exc)
             else:
                 fit.append(msg)
         yield from super()._commits(fit)

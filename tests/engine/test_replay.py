@@ -15,7 +15,10 @@ from d3d.engine import GenRequest, build_drafter
 from d3d.model.load import LoadedModel
 from d3d.model.meta import DrafterError
 from d3d.replay import ReplayDrafter
-from d3d.replay.shape import ShapeForwards
+from d3d.replay.server import ReplayOpen
+from d3d.replay.shape import PackedShapeForwards, ShapeForwards
+from d3d.worker.protocol import Block, Commit, Commits, Failed
+from d3d.worker.server import ServerConfig
 from tests.conftest import tiny_engine, tiny_model, tiny_tokenizer
 
 PROMPT = [1, 5, 9, 22, 7]
@@ -246,3 +249,27 @@ def test_a_worker_in_its_own_process_and_d3d_generate(tmp_path, capsys):
         assert gen_.stats.branch_hits > 0 and gen_.stats.num_drafts > 0
     finally:
         engine.close()
+
+
+def test_a_row_the_packed_shape_cannot_step_fails_alone(tiny_target):
+    """A row whose slot cannot take the step's writes fails before the step, alone (it used to
+    fail the step's packed forward, and with it every row's block in it)."""
+    drafter = build_drafter("replay:5:0.5:self:1", LoadedModel(tiny_target, None, "tiny"))
+    CudaBackend(graphs=False).prepare_drafter(drafter.lm)
+    server = drafter.server(ServerConfig(fixed_branches=2))
+    forwards = server.forwards
+    assert isinstance(forwards, PackedShapeForwards)
+    cap = forwards.packed.kv.capacity
+    long = [j % 90 + 2 for j in range(cap - forwards.reserve - 2)]  # fits, with 2 to spare
+    output = [9, 10, 11, 12, 13, 14, 15, 16]
+    for sid, prompt in ((1, [5, 6, 7, 8]), (2, long)):
+        opened = ReplayOpen(sid, prompt, SamplingConfig(), seed=sid, prepare=False, output=output)
+        assert list(server.handle(opened)) == []
+    out = list(server.handle(Commits([Commit(1, [9], 0.1), Commit(2, [9, 10, 11], 0.1)])))
+    failed = [m for m in out if isinstance(m, Failed)]
+    assert [m.sid for m in out if isinstance(m, Block)] == [1]
+    assert [f.sid for f in failed] == [2] and f"at most {cap} tokens" in failed[0].message
+    assert 2 not in server.rows and len(forwards.packed.kv.rows) == 1  # its slot is free
+    block = next(m for m in out if isinstance(m, Block))
+    out = list(server.handle(Commits([Commit(1, [*block.tokens[:1], 3], 0.1)])))
+    assert [type(m) for m in out] == [Block]

@@ -114,6 +114,13 @@ class PackedDrafter:
     def close(self, row: KvRow) -> None:
         self.kv.close(row)
 
+    def check_room(self, tokens: int, reserve: int) -> None:
+        """Raise :class:`SlotLimitError` where a row of ``tokens`` tokens, and ``reserve``
+        positions a step writes past them, would pass a slot's end (the row fails alone before
+        the step: a step that raised would fail every row in it)."""
+        if tokens + reserve > self.kv.capacity:
+            raise SlotLimitError(tokens + reserve, self.kv.capacity, self.kv.slots)
+
     def reserve(self, branches: int) -> int:
         """Positions past a row's tokens one step may write with ``branches`` branches: a
         chain and a block per branch (and one more block)."""
