@@ -184,13 +184,15 @@ def _attend_split(q_ptr, k_ptr, v_ptr, limit_ptr, lo_ptr, hi_ptr, o_ptr, ml_ptr,
                   s_head, s_pos, HKV: tl.constexpr, M: tl.constexpr, T: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                   PREC: tl.constexpr, BAND: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)  # row b, key head h: bh = b * HKV + h
-    split = tl.program_id(1)
-    splits = tl.num_programs(1)
-    pad = tl.num_programs(2) * BLOCK_M  # the queries' rows in the partial sums, tiles padded
+    # the query tiles vary fastest, so the tiles that read the same keys run side by side
+    # (their second reads of them from L2)
+    bh = tl.program_id(1).to(tl.int64)  # row b, key head h: bh = b * HKV + h
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    pad = tl.num_programs(0) * BLOCK_M  # the queries' rows in the partial sums, tiles padded
     b = bh // HKV
     h = bh % HKV
-    m_at = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's queries
+    m_at = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's queries
     d_at = tl.arange(0, D)
     real = m_at < M
     q = tl.load(q_ptr + (bh * M + m_at[:, None]) * D + d_at[None, :], mask=real[:, None], other=0.0)
@@ -283,7 +285,7 @@ def attend(
     out = torch.empty_like(q)
     lo, hi = (x.contiguous() for x in band) if band is not None else (limit, limit)
     with _on(q):
-        _attend_split[(b * hkv, splits, tiles)](
+        _attend_split[(tiles, b * hkv, splits)](
             q.contiguous(), keys, values, limit.contiguous(), lo, hi, part, ml, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), HKV=hkv, M=m, T=t, BLOCK_M=block_m,
             BLOCK_N=64, D=d, num_warps=4, BAND=band is not None,
