@@ -117,30 +117,33 @@ def take(step: StaticForward, device: torch.device) -> Kernels:
 
 @torch.inference_mode()
 def _attend_agrees(step: StaticForward, module: ModuleType, device: torch.device) -> bool:
-    """Whether ``module.attend`` computes this step's SDPA call on two samples, each 2 rows
-    in 3 chunks over slots of 384 keys: 3 queries a key head seeing the keys before a bound
-    (the target's; the longer row's 302 keys), and two tiles of queries each seeing a prefix
-    and a band of its own (the drafter's blocks)."""
+    """Whether ``module.attend`` computes this step's SDPA call on two samples in 3 and 2
+    chunks: 2 rows of 3 queries a key head seeing the keys before a bound (the target's; the
+    longer row's 302 keys of its slot's 384), and a row of two tiles of queries each seeing a
+    prefix and a band of its own (the drafter's blocks) in a slot of 128."""
     hkv, g, d = step.hkv, step.hq // step.hkv, step.d
     dtype = step.dtype
     gen = torch.Generator().manual_seed(6)
-    kv = [torch.randn(3, hkv, 384, d, generator=gen).to(device, dtype) for _ in "kv"]
 
-    def agrees(limit: torch.Tensor, band: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-        q = torch.randn(2, hkv, g * limit.shape[1], d, generator=gen).to(device, dtype)
-        mask = step.mask(step.seen(limit, band, 384), dtype)
+    def agrees(limit: torch.Tensor, band: tuple | None, keys: int, splits: int) -> bool:
+        kv = [torch.randn(3, hkv, keys, d, generator=gen).to(device, dtype) for _ in "kv"]
+        rows = limit.shape[0]
+        q = torch.randn(rows, hkv, g * limit.shape[1], d, generator=gen).to(device, dtype)
+        mask = step.mask(step.seen(limit, band, keys), dtype)
         return _agree(
-            lambda: module.attend(q, kv[0], kv[1], limit, step.scaling, 3, band),
+            lambda: module.attend(q, kv[0], kv[1], limit, step.scaling, splits, band),
             lambda: F.scaled_dot_product_attention(
-                q, kv[0][:2], kv[1][:2], mask, scale=step.scaling
+                q, kv[0][:rows], kv[1][:rows], mask, scale=step.scaling
             ),
         )
 
     t = -(-65 // g)  # queries a key head past one tile (64)
-    lo = torch.randint(0, 360, (2, t), generator=gen)
-    band = (lo.to(device), (lo + torch.randint(0, 17, (2, t), generator=gen)).to(device))
-    return agrees(torch.tensor([[5, 6, 7], [300, 301, 302]], device=device), None) and agrees(
-        torch.randint(1, 300, (2, t), generator=gen).to(device), band
+    lo = torch.randint(0, 112, (1, t), generator=gen)
+    hi = lo + torch.randint(0, 17, (1, t), generator=gen)
+    limit = torch.randint(1, 100, (1, t), generator=gen)
+    target = torch.tensor([[5, 6, 7], [300, 301, 302]], device=device)
+    return agrees(target, None, 384, 3) and agrees(
+        limit.to(device), (lo.to(device), hi.to(device)), 128, 2
     )
 
 
