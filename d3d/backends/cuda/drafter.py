@@ -13,8 +13,9 @@ packed forward, captured per shape.
   W, nb), replayed from a CUDA graph per shape (:mod:`~d3d.backends.cuda.graphs`), whatever
   the context: the split attention kernel reads each query's bounds (where a sample proves it,
   :attr:`~d3d.backends.cuda.forward.StaticForward.reads_lengths`; else SDPA attends the first
-  n keys and n, in a few sizes a doubling, is part of the shape). Anything else (a chain longer than a block: a prompt, a long catch-up; a row near
-  its slot's end) runs the same step eagerly over just the step's rows.
+  n keys and n, in a few sizes a doubling, is part of the shape). Anything else (a chain
+  longer than a block: a prompt, a long catch-up; a row near its slot's end) runs the same
+  step eagerly over just the step's rows.
 - **Copies**: one host-to-device copy of the chains, lengths and slots per step; the blocks'
   anchors and visible lengths may already be on the device (the on-device branch choice,
   :func:`d3d.worker.branches.choose_rows`), written into the step's inputs there, or come from

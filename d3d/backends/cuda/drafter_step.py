@@ -21,9 +21,10 @@ and, for a drafter with gated adapters, a block's anchor (s = 0) sees none of it
 (ungated rows compute exactly the frozen layers, :mod:`d3d.model.adapters`). Chain pads (rows
 with fewer than W chain tokens) and rows not in the step write keys only past their length and
 are never attended by a real query. Everything but the decoder layers (the embeddings, the
-mask embedding at the mask slots, positions and what each query sees) is computed here from tensors at fixed
-addresses (:class:`PackedInputs`); the layers are :meth:`StaticForward.layers_over`, the target
-step's own. The LM head runs outside, on the block slots that predict drafts only.
+mask embedding at the mask slots, positions and what each query sees) is computed here from
+tensors at fixed addresses (:class:`PackedInputs`); the layers are
+:meth:`StaticForward.layers_over`, the target step's own. The LM head runs outside, on the block
+slots that predict drafts only.
 
 Letters: B rows (slots), T tokens a row, W chain width, nb blocks a row, Bk block size, K = Bk-1
 drafts, n keys attended, N = B*T, H hidden.
