@@ -230,9 +230,7 @@ class EngineWorker:
         """Every step graph the backend can take now (no request then waits for a capture), then
         a tiny generation per mode: proves the models run and calibrates the policy."""
         engine = self.engine
-        t0 = time.perf_counter()
-        captured = self.batch.target.capture()
-        capture_s = time.perf_counter() - t0
+        captured, capture_s = engine.capture()
         ids = engine.encode("Say hello.", True)
         figures = engine.calibrate()
         modes = ["ar"] + (["sync"] if engine.drafter is not None else [])

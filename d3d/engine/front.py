@@ -300,6 +300,14 @@ class Engine:
             )
         return self._scheduler
 
+    def capture(self) -> tuple[int, float]:
+        """Every step graph the scheduler's target can take before serving (the cuda backend's,
+        where one per rows bucket and width serves every context: no request then waits for a
+        capture); how many it took and the seconds it took, on the engine's clock."""
+        t0 = self.clock.now()
+        captured = self.scheduler().target.capture()
+        return captured, self.clock.now() - t0
+
     def _proposer_for(self, req: GenRequest) -> Proposer:
         if req.mode == "auto" and not req.sampling.greedy and req.sampling.seed is not None:
             # A seed asks for the same text again. Sampling stays exact in every mode, but which

@@ -197,7 +197,7 @@ class PackedShapeForwards:
         seeing the chain up to d_k, in one packed forward; whether a row also read committed
         tokens its slot lacked."""
         width = max(len(outcomes) for *_, outcomes in rows)
-        slots, chains, visible, anchors = [], [], [], []
+        slots, chains, visible, anchors, held = [], [], [], [], {}
         reads = False
         for sid, committed, drafts, outcomes in rows:
             row, pending, anchor = self._read(sid, committed)
@@ -208,8 +208,7 @@ class PackedShapeForwards:
             chains.append([*pending, anchor, *fold(drafts[:m], self.vocab)])
             visible.append([len(committed) + k for k, _ in padded])
             anchors.append(fold([max(r, 0) for _, r in padded], self.vocab))
+            held[sid] = (row, fold([*committed, *drafts[:m]], self.vocab))  # once it has run
         self.packed.run(slots, chains, torch.tensor(visible), torch.tensor(anchors))
-        for (sid, committed, drafts, outcomes), row in zip(rows, slots, strict=True):
-            m = max(k for k, _ in outcomes)
-            self.rows[sid] = (row, fold([*committed, *drafts[:m]], self.vocab))
+        self.rows.update(held)
         return reads

@@ -10,9 +10,9 @@ captured once per (B, T, n) as a CUDA graph (:mod:`d3d.backends.cuda.graphs`) â€
 capacity, whatever the context, and :meth:`CudaTarget.capture` can take every graph up front.
 A pad token's key lands after its row's length, where the next step writes anyway, and its
 output is dropped; a slot whose row is not in the step (a prompt being read) is attended from
-its own length and dropped the same way. Any other step (a prompt's chunk, a row with more than K+1 tokens, a row
-near its slot's end) runs the slab KV's eager ragged forward, :class:`~d3d.backends.target.
-BatchTarget`'s, over the same KV.
+its own length and dropped the same way. Any other step (a prompt's chunk, a row with more
+than K+1 tokens, a row near its slot's end) runs the slab KV's eager ragged forward,
+:class:`~d3d.backends.target.BatchTarget`'s, over the same KV.
 
 The host builds the step's ids and lengths as one small copy in, and the logits of the kept
 positions come back from the LM head run over those positions only; the step is timed with
