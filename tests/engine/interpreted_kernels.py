@@ -22,6 +22,7 @@ import torch
 from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan
 from d3d.backends.cuda.kv import MIN_CAPACITY, StaticKV
+from d3d.backends.cuda.rehearsal import Rehearsal
 from d3d.backends.cuda.taken import Kernels
 from d3d.model.adapters import AdapterConfig
 from d3d.model.drafter import D3DDrafter
@@ -38,11 +39,15 @@ def _tol(dtype: torch.dtype) -> dict:
     return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0, "atol": 2e-3}
 
 
-def _pair(kind: str, dtype: torch.dtype, layers: int = 2) -> tuple[CudaTarget, CudaTarget]:
+def _pair(
+    kind: str, dtype: torch.dtype, layers: int = 2, graphs: bool = False
+) -> tuple[CudaTarget, CudaTarget]:
+    """A target through the kernels (``graphs``: its steps rehearsed as graphs would run them,
+    d3d.backends.cuda.rehearsal) and one through the torch forms, eager."""
     model = tiny_model(kind, seed=8, layers=layers).to(dtype)
     CudaBackend(graphs=False).prepare(model)
     kv = [StaticKV.shaped(model, 4 * MIN_CAPACITY, 2) for _ in "ab"]
-    tri = CudaTarget(model, kv[0], block=6, graphs=False)
+    tri = CudaTarget(model, kv[0], block=6, graphs=graphs)
     own = CudaTarget(model, kv[1], block=6, graphs=False, kernels=False)
     return tri, own
 
@@ -113,12 +118,13 @@ def test_the_packed_drafter_meets_one_shape_per_step_form_whatever_the_context()
     """Through the split attention (a bound and a band a query) the keys a packed step attends
     are no part of its shape: rows drafting (a chain and two blocks) through contexts that
     SDPA's steps attend in 256 and 512 keys meet one shape, their blocks still the torch forms'
-    (whose steps meet two)."""
+    (whose steps meet two), each step held to its graph's first (rehearsed)."""
     target = tiny_model("qwen3", seed=2)
     d = D3DDrafter.from_target(target, 2, block_size=5)
     CudaBackend(graphs=False).prepare_drafter(d.lm)
-    plan = PackedPlan(graphs=False, rows=2, kv_tokens=2048)
+    plan = PackedPlan(graphs=True, rows=2, kv_tokens=2048)
     packs = [PackedDrafter(d, plan) for _ in "ab"]
+    assert isinstance(packs[0].runner, Rehearsal)
     packs[1].step.core.kernels = Kernels.none(2)
     assert packs[0].step.core.reads_lengths and not packs[1].step.core.reads_lengths
     gen = torch.Generator().manual_seed(1)
@@ -159,8 +165,8 @@ def test_one_graph_per_rows_and_width_serves_every_context(dtype):
     """Through the split attention the keys a step attends are no part of its shape: every
     shape is met up front (``capture``), and rows read through contexts that SDPA's steps
     attend in 256 and 512 keys meet no new one, their logits still the torch forms' (whose
-    steps do meet them)."""
-    tri, own = _pair("qwen3", dtype)
+    steps do meet them) with each step held to its graph's first (rehearsed)."""
+    tri, own = _pair("qwen3", dtype, graphs=True)
     assert tri.step.reads_lengths and not own.step.reads_lengths
     assert tri.capture() == len(tri.buckets) * 2 and own.capture() == 0
     met = tri.runner.shapes

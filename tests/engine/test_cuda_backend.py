@@ -17,6 +17,7 @@ from d3d.backends.cuda import CudaBackend, CudaTarget
 from d3d.backends.cuda.forward import StepInputs, attended, unfit
 from d3d.backends.cuda.graphs import Graphs
 from d3d.backends.cuda.kv import MIN_CAPACITY, SlotLimitError, StaticKV, static_shape
+from d3d.backends.cuda.rehearsal import Rehearsal
 from d3d.backends.reference import ReferenceBackend
 from d3d.engine import GenRequest
 from d3d.model.drafter import D3DDrafter
@@ -136,13 +137,16 @@ def prompts(n: int) -> list[list[int]]:
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("rows", [1, 6])
 def test_every_mode_through_the_cuda_step_equals_ar(kind, rows):
+    """Through the steps as their graphs would run them (here: rehearsed, each call held to
+    its shape's first, d3d.backends.cuda.rehearsal)."""
     model = tiny_model(kind, seed=1)
     CudaBackend(graphs=False).prepare(model)  # as Engine.from_config does, before the drafter
     drafter = D3DDrafter.from_target(model, 1, base="tiny", block_size=6)
-    engine = tiny_engine(model, drafter, backend=CudaBackend(graphs=False))
+    engine = tiny_engine(model, drafter, backend=CudaBackend(graphs=True))
     try:
         sched = engine.scheduler(max_batch=8)
         assert isinstance(sched.target, CudaTarget)
+        assert isinstance(sched.target.runner, Rehearsal)
         sched.eos_ids = set()
         ps = prompts(rows)
         out: list[list[int]] = [[] for _ in ps]
@@ -157,6 +161,7 @@ def test_every_mode_through_the_cuda_step_equals_ar(kind, rows):
             want = greedy_continuation(model, ps[i], budgets[i])
             assert out[i] == want, f"row {i} ({MODES[i % 4]})"
         assert sched.target.counts["decode"] > sched.target.counts["eager"]
+        assert sched.target.runner.captured >= 1
     finally:
         engine.close()
 
@@ -179,9 +184,10 @@ def test_eager_steps_count_the_shapes_graphs_would_capture():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@cuda
-def test_captured_steps_give_the_eager_steps_logits():
-    model = tiny_model("qwen3", seed=1).cuda()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_captured_steps_give_the_eager_steps_logits(device):
+    """On a GPU, CUDA graphs; on the CPU, their rehearsal (d3d.backends.cuda.rehearsal)."""
+    model = tiny_model("qwen3", seed=1).to(device)
     steps = {}
     for graphs in (True, False):
         t = CudaBackend(graphs=graphs).target(model, 8 * MIN_CAPACITY, rows=4, block=6)

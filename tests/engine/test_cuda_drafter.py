@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from d3d.backends.cuda import CudaBackend
 from d3d.backends.cuda.drafter import PackedDrafter, PackedPlan, plan_of
 from d3d.backends.cuda.fused import joined
+from d3d.backends.cuda.rehearsal import GraphHazard, Rehearsal
 from d3d.config import SamplingConfig
 from d3d.engine import GenRequest
 from d3d.model.adapters import AdapterConfig
@@ -243,10 +244,25 @@ def prompts(n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_every_mode_with_the_packed_drafter_equals_ar(kind, packed_rows):
+def test_every_mode_with_the_packed_drafter_equals_ar(kind, packed_rows, monkeypatch):
+    """The target's and the drafter's steps as their graphs would run them (here: rehearsed,
+    d3d.backends.cuda.rehearsal)."""
+    rehearsed: list[str] = []
+    hazards: list[GraphHazard] = []  # the worker would answer a hazard with a failed draft
+    run = Rehearsal.run
+
+    def noted(self, x, n):
+        rehearsed.append(type(self.step).__name__)
+        try:
+            return run(self, x, n)
+        except GraphHazard as e:
+            hazards.append(e)
+            raise
+
+    monkeypatch.setattr(Rehearsal, "run", noted)
     model = tiny_model(kind, seed=1)
     drafter = D3DDrafter.from_target(model, 1, base="tiny", block_size=6)
-    backend = CudaBackend(graphs=False)
+    backend = CudaBackend(graphs=True)
     backend.prepare_drafter(drafter.lm)
     engine = tiny_engine(model, drafter, backend=backend)
     try:
@@ -267,6 +283,8 @@ def test_every_mode_with_the_packed_drafter_equals_ar(kind, packed_rows):
     finally:
         engine.close()
     assert packed_rows, "the worker drafted through the packed drafter"
+    assert {"PackedForward", "StaticForward"} <= set(rehearsed), "both steps rehearsed"
+    assert not hazards, hazards[0]
 
 
 def test_sync_drafts_every_rows_block_in_one_packed_forward_on_the_worker(packed_rows):
@@ -303,22 +321,23 @@ def test_sync_drafts_every_rows_block_in_one_packed_forward_on_the_worker(packed
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@cuda
-def test_captured_packed_steps_give_the_eager_steps_scores():
-    d = drafter_of("adapters").place("cuda")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_captured_packed_steps_give_the_eager_steps_scores(device):
+    """On a GPU, CUDA graphs; on the CPU, their rehearsal (d3d.backends.cuda.rehearsal)."""
+    d = drafter_of("adapters").place(device)
     outs = {}
     for graphs in (True, False):
         p = PackedDrafter(d, PackedPlan(graphs=graphs, rows=4, kv_tokens=4 * 512))
         rows = [p.open(100) for _ in PREFIXES]
-        none = NONE.cuda()
+        none = NONE.to(device)
         p.run(rows, [x[:-1] for x in PREFIXES], none, none)
         gen = torch.Generator().manual_seed(0)
         got = []
         for n in (1, 3, 3, 1):
             chains = [torch.randint(TINY_VOCAB, (BK,), generator=gen).tolist() for _ in rows]
             vis = torch.tensor([[r.length + int(k) for k in torch.randint(BK, (n,), generator=gen)]
-                                for r in rows], device="cuda")  # fmt: skip
-            anchors = torch.randint(TINY_VOCAB, (len(rows), n), generator=gen).cuda()
+                                for r in rows], device=device)  # fmt: skip
+            anchors = torch.randint(TINY_VOCAB, (len(rows), n), generator=gen).to(device)
             got.append(p.run(rows, chains, vis, anchors).blocks.cpu())
         outs[graphs] = got
         if graphs:

@@ -186,10 +186,11 @@ def test_a_shape_runs_real_forwards(tiny_target, tmp_path, monkeypatch):
 
 def test_a_shape_the_cuda_backend_readied_drafts_packed(tiny_target, packed_rows):
     """On the cuda backend the shape's forwards are the packed drafter's (what the D3D worker
-    runs there): a step's misses in one forward, every row's branches in one more; ``sync``
-    drafts on the worker too. Lossless, acceptance and hits as without."""
+    runs there, its steps rehearsed as graphs, d3d.backends.cuda.rehearsal): a step's misses
+    in one forward, every row's branches in one more; ``sync`` drafts on the worker too.
+    Lossless, acceptance and hits as without, and no draft failed."""
     drafter = build_drafter("replay:5:0.5:self:1", LoadedModel(tiny_target, None, "tiny"))
-    backend = CudaBackend(graphs=False)
+    backend = CudaBackend(graphs=True)
     backend.prepare_drafter(drafter.lm)
     engine = tiny_engine(tiny_target, drafter, backend=backend)
     sched = engine.scheduler(max_batch=8)

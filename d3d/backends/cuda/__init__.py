@@ -1,10 +1,11 @@
 """The CUDA backend: the target's decode steps replayed as CUDA graphs over a fixed-slot KV.
 
-- :mod:`~d3d.backends.cuda.kv`       one slab of fixed slots, allocated once (graphs address it)
-- :mod:`~d3d.backends.cuda.forward`  the decode step of a Llama-family model over those slots
-- :mod:`~d3d.backends.cuda.graphs`   a graph per (rows, width, keys attended), captured on use
-- :mod:`~d3d.backends.cuda.target`   which steps replay a graph and which run eagerly
-- :mod:`~d3d.backends.cuda.drafter`  the drafter worker's slot KV and packed step (blocks and
+- :mod:`~d3d.backends.cuda.kv`         one slab of fixed slots, allocated once (graphs address it)
+- :mod:`~d3d.backends.cuda.forward`    the decode step of a Llama-family model over those slots
+- :mod:`~d3d.backends.cuda.graphs`     a graph per (rows, width, keys attended), captured on use
+- :mod:`~d3d.backends.cuda.rehearsal`  the graphs as a replay runs them, checked, on a CPU
+- :mod:`~d3d.backends.cuda.target`     which steps replay a graph and which run eagerly
+- :mod:`~d3d.backends.cuda.drafter`    the drafter worker's slot KV and packed step (blocks and
   branches of every row in one forward, captured per shape; :mod:`~d3d.backends.cuda.drafter_step`)
 
 :class:`CudaBackend` builds the step target and proves it at load: a sample of two rows read
@@ -13,8 +14,9 @@ GPU), each step's logits against the reference backend's (:mod:`d3d.backends.che
 another form, a sample that disagrees, or a sample that raises (a capture the device refused, a
 kernel that does not take the shapes) runs the reference backend, with the reason logged; only a
 disagreement can be overridden (``trust``), never a sample that did not run.
-``graphs=False`` runs the same step code without capturing it: that is how it runs on a CPU,
-where the tests prove it token for token.
+``graphs=False`` runs the same step code without capturing it; ``graphs=True`` on a CPU
+rehearses the graphs (:mod:`~d3d.backends.cuda.rehearsal`: each call held to its shape's first,
+as a replay would run it): how the tests prove the decode path token for token here.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from torch import nn
 
 from d3d.backends.cuda.drafter_step import PackedForward, PackedInputs
 from d3d.backends.cuda.forward import attended
-from d3d.backends.cuda.graphs import Eager, Graphs
 from d3d.backends.cuda.kv import SlotLimitError, StaticKV, static_shape
+from d3d.backends.cuda.rehearsal import runner_for
 from d3d.backends.cuda.target import BUCKETS
 from d3d.backends.slabs import KvRow
 
@@ -94,7 +94,7 @@ class PackedDrafter:
         )
         self.block = drafter.block_size
         self.step = PackedForward(drafter, self.kv)
-        self.runner = Graphs(self.step) if plan.graphs else Eager(self.step)
+        self.runner = runner_for(self.step, plan.graphs, p.device)
         self.buckets = tuple(sorted({b for b in BUCKETS if b < slots} | {slots}))
         self.inputs: dict[tuple[int, int, int], PackedInputs] = {}
         self.counts = {"packed": 0, "eager": 0}  # steps of each kind, for reports

@@ -19,8 +19,10 @@ this one captures; and :data:`CAPTURE` lets one capture run at a time in the pro
 ``torch.cuda.graph`` synchronises the device and empties the allocator's cache as it begins,
 neither of which may happen while another thread's capture is under way.
 
-:class:`Eager` has the same interface and runs the step each time (the CPU, tests, and
-``graphs=False``).
+:class:`Eager` has the same interface and runs the step each time (``graphs=False``);
+:class:`~d3d.backends.cuda.rehearsal.Rehearsal` runs it as a graph would, checking each call
+against the first, where ``graphs=True`` meets a device without CUDA (the CPU tests):
+:func:`~d3d.backends.cuda.rehearsal.runner_for` picks.
 
 Letters: B rows, T tokens a row, n keys attended, H hidden.
 """
@@ -29,12 +31,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 Step = Callable[[Any, int], torch.Tensor]  # (inputs, n) -> hidden states [B*T, H]
 CAPTURE = threading.Lock()  # one capture at a time in this process (module docstring)
+
+
+class Runner(Protocol):
+    """How a step target runs its decode steps: :class:`Graphs`, :class:`Eager`, or
+    :class:`~d3d.backends.cuda.rehearsal.Rehearsal`."""
+
+    captured: int
+    shapes: int
+
+    def run(self, inputs: Any, n: int) -> torch.Tensor: ...
 
 
 def shape_key(inputs: Any, n: int) -> tuple:

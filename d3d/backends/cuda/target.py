@@ -32,8 +32,8 @@ from torch import nn
 
 from d3d.backends.clock import WALL, Clock
 from d3d.backends.cuda.forward import StaticForward, StepInputs, attended
-from d3d.backends.cuda.graphs import Eager, Graphs
 from d3d.backends.cuda.kv import StaticKV
+from d3d.backends.cuda.rehearsal import runner_for
 from d3d.backends.slabs import KvRow
 from d3d.backends.target import BatchTarget, kept_positions
 
@@ -58,7 +58,7 @@ class CudaTarget(BatchTarget):
         self.widths = (1, block)
         self.buckets = tuple(sorted({b for b in BUCKETS if b < kv.slots} | {kv.slots}))
         self.step = StaticForward(model, kv.keys, kv.values, fused, kernels)
-        self.runner = Graphs(self.step) if graphs else Eager(self.step)
+        self.runner = runner_for(self.step, graphs, self.device)
         self.inputs: dict[tuple[int, int], StepInputs] = {}
         self.counts = {"decode": 0, "eager": 0}  # steps of each kind, for reports
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
