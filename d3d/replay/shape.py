@@ -77,9 +77,9 @@ BranchRow = tuple[int, Sequence[int], Sequence[int], Outcomes]  # sid, committed
 def shape_forwards(drafter: D3DDrafter, branches: int) -> ShapeForwards | PackedShapeForwards:
     """The shape's forwards as the worker would run that drafter's (module docstring), for
     at most ``branches`` branches a row."""
-    from d3d.backends.cuda.drafter import plan_of
+    from d3d.worker.packed_check import proven_plan
 
-    plan = plan_of(drafter)
+    plan = proven_plan(drafter)
     return ShapeForwards(drafter) if plan is None else PackedShapeForwards(drafter, plan, branches)
 
 

@@ -35,9 +35,10 @@ ends (a run cut short keeps what it finished):
    (:mod:`d3d.tools.gpu_vllm`; skipped otherwise, as on the lent check machines).
 
 Every stage has a time limit inside ``--budget-s``. ``--tiny`` runs the same code on a small
-Qwen3-shaped model on the CPU (the cuda backend's step code runs eagerly there), which is how
-CI keeps this script working; the full shape refuses to run without CUDA. The figures and how to
-read them: ``docs/results.md`` (GPU check); the table printed at the end is
+Qwen3-shaped model on the CPU (the cuda backend's step code eager there; the exactness stage
+rehearses its graphs, :mod:`d3d.backends.cuda.rehearsal`), which is how CI keeps this script
+working; the full shape refuses to run without CUDA. The figures and how to read them:
+``docs/results.md`` (GPU check); the table printed at the end is
 :func:`d3d.tools.gpu_report.table`'s.
 """
 
@@ -315,11 +316,13 @@ def _drafter_shape(args, target, folder: Path) -> str:
 
 
 def _replay(target, name: str, config: dict, s: ServiceSettings, time_left, res: dict) -> dict:
-    # the cuda backend (eager on a CPU, as the decode stage), timed on a GPU even where its
-    # bf16 sample is off (decode.sample says)
+    # the cuda backend (eager on a CPU, as the decode stage; the exactness stage rehearses its
+    # graphs), timed on a GPU even where its bf16 sample is off (decode.sample says)
     gpu = next(target.parameters()).device.type == "cuda"
     got = run_service(target, name, config, s, time_left, CudaBackend(graphs=gpu, trust=gpu))
-    res["errors"] += [f"replay {s.requests} rows {e}" for e in service_errors(got)]
+    shaped = "shape=" in s.drafter
+    label = f"{'shaped_' if shaped else ''}replay_{s.requests}"  # the stage's name
+    res["errors"] += [f"{label}: {e}" for e in service_errors(got)]
     return got
 
 

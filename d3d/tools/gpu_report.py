@@ -65,6 +65,14 @@ def table(res: dict) -> str:
             f"{row['packed_8_branches_ms']} ms | verify x{row.get('packed_8_over_verify16')} | "
             f"{'within one verify' if name == 'd3d_1_7b' else ''} |"
         )
+        sample = row.get("packed_sample")
+        if sample:
+            why = f" ({sample['failed']})" if sample["failed"] else ""
+            lines.append(
+                f"| drafter {name}: packed blocks = row-by-row blocks (the sample at load) | "
+                f"{sample['error']:.1e} relative{why} | {sample['tolerance']:.0e} | within "
+                f"(else the worker drafts row by row) |"
+            )
         if "sdpa_over_split" in row:
             lines.append(
                 f"| drafter {name}: packed 8 branches with SDPA's attention, not the split "

@@ -232,8 +232,15 @@ def _compare(out: dict) -> None:
 
 
 def service_errors(out: dict) -> list[str]:
-    """Every mode's errors (requests that failed, a stage that raised), named by mode."""
-    return [f"{mode}: {e}" for mode, r in out.get("modes", {}).items() for e in r.get("errors", [])]
+    """Every mode's errors (requests that failed, a stage that raised, drafts the worker failed:
+    a request then goes on with the target alone, lossless but not what was meant to be
+    measured), named by mode."""
+    errors = []
+    for mode, r in out.get("modes", {}).items():
+        errors += [f"{mode}: {e}" for e in r.get("errors", [])]
+        if r.get("worker_failures"):
+            errors.append(f"{mode}: the drafter worker failed {r['worker_failures']} time(s)")
+    return errors
 
 
 def service_table(out: dict) -> list[str]:

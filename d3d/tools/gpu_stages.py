@@ -57,6 +57,7 @@ from d3d.model.meta import DrafterMeta
 from d3d.model.shapes import random_model
 from d3d.tools.plan import PlanSettings, make_plan
 from d3d.worker.drafting import draft_branches
+from d3d.worker.packed_check import verdict_of
 
 BLOCK = 16
 
@@ -230,7 +231,9 @@ def d3d_1_7b_drafter(config: dict, device: torch.device, dtype: torch.dtype) -> 
 def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: int = 8) -> dict:
     """A block and a packed round of ``branches`` branches after ``context`` cached tokens: the
     round through the cuda backend's packed drafter (:mod:`d3d.backends.cuda.drafter`:
-    captured on a GPU, eager on a CPU) and, for comparison, the row-by-row forward."""
+    captured on a GPU, eager on a CPU) and, for comparison, the row-by-row forward; and
+    the packed drafter's sample at load against the row-by-row drafter
+    (:mod:`d3d.worker.packed_check`: where it disagrees, a worker drafts row by row)."""
     device = drafter.device
     CudaBackend().prepare_drafter(drafter.lm)  # its projections laid out, as the engine's are
     vocab = drafter.meta.vocab_size
@@ -248,6 +251,7 @@ def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: in
         trim_cache(cache, len(chain))
 
     plan = PackedPlan(graphs=device.type == "cuda", rows=1, kv_tokens=context + 4 * MIN_CAPACITY)
+    verdict = verdict_of(drafter, plan)
     packed = PackedDrafter(drafter, plan)
     row = packed.open(context)
     none = torch.zeros(1, 0, dtype=torch.long)
@@ -268,6 +272,7 @@ def drafter_rounds(drafter: D3DDrafter, context: int, repeats: int, branches: in
         "weight_bytes": param_bytes(drafter),
         "packed_steps": dict(packed.counts),
         "kernels": kernels_taken(packed.step.core),
+        "packed_sample": dataclasses.asdict(verdict) | {"agrees": verdict.agrees},
     }
     core = packed.step.core
     if core.kernels.attend:  # the same round with SDPA's attention (a mask, n keys) instead,
@@ -302,7 +307,8 @@ def greedy(target, prompts: Sequence[Sequence[int]], steps: int) -> list[list[in
 
 def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
     """Greedy tokens of ``rows`` rows through captured steps against eager ones (module
-    docstring); ``model`` in float32."""
+    docstring); ``model`` in float32. On a CPU the steps are rehearsed, each held to its
+    graph's first (:mod:`d3d.backends.cuda.rehearsal`), against the reference backend."""
     device = next(model.parameters()).device
     CudaBackend().prepare(model)  # the projections laid out, as the engine's are
     vocab = model.config.vocab_size
@@ -310,21 +316,21 @@ def captured_equals_eager(model, rows: int, prompt: int, steps: int) -> dict:
     prompts = [torch.randint(0, vocab, (prompt + i,), generator=gen).tolist() for i in range(rows)]
     budget = rows * max(prompt + rows + steps + 2 * BLOCK, MIN_CAPACITY)
     on_gpu = device.type == "cuda"
-    fast = choose("cuda", device).target(model, budget, rows=rows, block=BLOCK)
+    fast = CudaBackend(graphs=True).target(model, budget, rows=rows, block=BLOCK)
     slow = (choose("cuda", "cpu") if on_gpu else ReferenceBackend()).target(
         model, budget, rows=rows, block=BLOCK
     )
     a, b = greedy(fast, prompts, steps), greedy(slow, prompts, steps)
     # the same captured steps through the torch forms alone, no Triton kernel
-    forms = CudaTarget(model, StaticKV.shaped(model, budget, rows), block=BLOCK, graphs=on_gpu,
-                       kernels=False)  # fmt: skip
+    forms = CudaTarget(model, StaticKV.shaped(model, budget, rows), block=BLOCK, kernels=False)
     c = greedy(forms, prompts, steps)
     del forms
-    pair = [choose("cuda", device).target(model, budget, rows=rows, block=BLOCK) for _ in "ab"]
+    pair = [CudaBackend(graphs=True).target(model, budget, rows=rows, block=BLOCK) for _ in "ab"]
     both = in_two_threads([lambda t=t: greedy(t, prompts, steps) for t in pair])
     return {
         "captured": on_gpu,
-        "against": "eager cuda steps" if on_gpu else "the reference backend (no GPU)",
+        "rehearsed": not on_gpu,  # graphs' rehearsal on a CPU (d3d.backends.cuda.rehearsal)
+        "against": "eager cuda steps" if on_gpu else "the reference backend (no GPU: rehearsed)",
         "rows": rows,
         "steps": steps,
         "rows_equal": rows_equal(a, b),

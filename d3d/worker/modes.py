@@ -31,7 +31,9 @@ MODES = ("auto", "ar", "sync", "async")
 def drafts_rows_together(drafter: object) -> bool:
     """Whether the worker drafts every row's block of a step in one forward (the cuda backend
     readied ``drafter`` for packed drafting), so that ``sync`` drafts there rather than a row
-    at a time in the engine's process (``ModeKit.sync_on_worker``)."""
+    at a time in the engine's process (``ModeKit.sync_on_worker``). Where the packed
+    drafter's sample at load disagrees, the worker drafts these rows one by one instead
+    (:mod:`d3d.worker.packed_check`), answering the same messages."""
     from d3d.backends.cuda.drafter import plan_of
 
     return plan_of(drafter) is not None

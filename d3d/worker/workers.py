@@ -87,13 +87,14 @@ def server_for(drafter: Any, cfg: ServerConfig | None = None) -> MessageServer:
     """What a worker runs for ``drafter``: a :class:`DraftServer`, unless the drafter brings a
     server of its own (the replay instrument's, :mod:`d3d.replay`), which reads and answers the
     same messages, or the cuda backend readied it for packed drafting
-    (:class:`~d3d.worker.packed.PackedDraftServer`)."""
+    (:class:`~d3d.worker.packed.PackedDraftServer`) and its sample agrees
+    (:mod:`d3d.worker.packed_check`)."""
     own = getattr(drafter, "server", None)
     if callable(own):
         return own(cfg)
-    from d3d.backends.cuda.drafter import plan_of
+    from d3d.worker.packed_check import proven_plan
 
-    plan = plan_of(drafter)
+    plan = proven_plan(drafter)
     if plan is not None:  # the cuda backend's packed drafting (d3d.worker.packed)
         return PackedDraftServer(drafter, cfg, plan=plan)
     return DraftServer(drafter, cfg)

@@ -151,9 +151,13 @@ def test_the_packed_drafter_meets_one_shape_per_step_form_whatever_the_context()
     assert packs[0].runner.shapes == 1 and packs[1].runner.shapes == 2
 
 
-def test_the_checks_drafter_stage_times_the_round_with_sdpa_beside_the_split_kernel():
+def test_the_checks_drafter_stage_times_the_round_with_sdpa_beside_the_split_kernel(monkeypatch):
+    from d3d.tools import gpu_stages
     from d3d.tools.gpu_stages import drafter_rounds
+    from d3d.worker.packed_check import Verdict
 
+    # the packed sample's blocks through the kernels: the test above (the interpreter is slow)
+    monkeypatch.setattr(gpu_stages, "verdict_of", lambda d, plan: Verdict(0.0, 1e-4))
     d = D3DDrafter.from_target(tiny_model("qwen3", seed=2), 1, block_size=16)
     out = drafter_rounds(d, context=20, repeats=1, branches=2)
     assert out["kernels"]["attend"] and out["packed_steps"]["packed"] >= 2

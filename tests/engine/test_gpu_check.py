@@ -60,9 +60,11 @@ def test_script_tiny_runs_every_stage(tmp_path):
     for row in res["drafters"].values():
         assert row["block_ms"] > 0 and row["packed_8_branches_ms"] > 0
         assert row["packed_8_over_verify16"] > 0
+        assert row["packed_sample"]["agrees"], row["packed_sample"]  # the sample at load
 
     ex = res["exactness"]
     assert ex["rows_equal"] == ex["rows"] == 16 and not ex["captured"]
+    assert ex["rehearsed"] and ex["graphs"] > 0  # the steps held to their graphs' first
     assert ex["two_threads_rows_equal"] == [16, 16]
     assert ex["torch_forms_rows_equal"] == 16
 
@@ -168,3 +170,13 @@ def test_the_profile_sorts_gpu_kernels_by_kind():
     }  # fmt: skip
     for name, kind in kinds.items():
         assert kind_of(name) == kind, name
+
+
+def test_a_drafter_worker_that_failed_is_an_error_of_the_check():
+    """A failed draft leaves the request to the target alone (lossless, so `matches_ar` holds):
+    the check names it instead of timing a `sync` that drafted nothing."""
+    from d3d.tools.gpu_service import service_errors
+
+    out = {"modes": {"ar": {"errors": []}, "sync": {"errors": ["x"], "worker_failures": 3}}}
+    assert service_errors(out) == ["sync: x", "sync: the drafter worker failed 3 time(s)"]
+    assert service_errors({"modes": {"sync": {"errors": [], "worker_failures": 0}}}) == []
