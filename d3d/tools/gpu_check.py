@@ -255,14 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     stage("drafters", lambda: _drafters(target, args, device, dtype, res))
     stage("exactness", lambda: _exactness(config, device, args))
     for s in services:
-        stage(f"replay_{s.requests}", lambda s=s: _replay(target, name, config, s, time_left, res))
+        key = f"replay_{s.requests}"
+        stage(key, lambda s=s, key=key: _replay(target, name, config, s, time_left, res, key))
     with tempfile.TemporaryDirectory() as tmp:  # --tiny: the small shape's config
         spec = f"{args.replay}:shape={_drafter_shape(args, target, Path(tmp))}"
         for s in (replace(s, drafter=spec) for s in shaped):
-            stage(
-                f"shaped_replay_{s.requests}",
-                lambda s=s: _replay(target, name, config, s, time_left, res),
-            )
+            key = f"shaped_replay_{s.requests}"
+            stage(key, lambda s=s, key=key: _replay(target, name, config, s, time_left, res, key))
     stage("projection", lambda: _projection(res))
     # last of the target's stages: a profiler that fails hard on graph replays loses only this
     stage("profile", lambda: step_profile(target, args.context))
@@ -315,14 +314,14 @@ def _drafter_shape(args, target, folder: Path) -> str:
     return str(path)
 
 
-def _replay(target, name: str, config: dict, s: ServiceSettings, time_left, res: dict) -> dict:
+def _replay(
+    target, name: str, config: dict, s: ServiceSettings, time_left, res: dict, key: str
+) -> dict:
     # the cuda backend (eager on a CPU, as the decode stage; the exactness stage rehearses its
     # graphs), timed on a GPU even where its bf16 sample is off (decode.sample says)
     gpu = next(target.parameters()).device.type == "cuda"
     got = run_service(target, name, config, s, time_left, CudaBackend(graphs=gpu, trust=gpu))
-    shaped = "shape=" in s.drafter
-    label = f"{'shaped_' if shaped else ''}replay_{s.requests}"  # the stage's name
-    res["errors"] += [f"{label}: {e}" for e in service_errors(got)]
+    res["errors"] += [f"{key}: {e}" for e in service_errors(got)]  # named by the stage
     return got
 
 

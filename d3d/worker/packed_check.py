@@ -93,8 +93,9 @@ def sample_error(drafter: D3DDrafter, plan: PackedPlan, seed: int = 0) -> float:
     visible = torch.tensor([[len(x) - 1] for x in ids], device=dev)
     anchors = torch.tensor([[x[-1]] for x in ids], device=dev)
     got = p.run(rows, [x[:-1] for x in ids], visible, anchors).blocks  # [2, 1, K, V_d]
+    caches = [_cache(drafter, x[:-1]) for x in ids]  # a block leaves its cache as it was
     for i, x in enumerate(ids):
-        want = drafter.block_scores(x[-1], _cache(drafter, x[:-1]))
+        want = drafter.block_scores(x[-1], caches[i])
         errors.append(check.relative_error(got[i, 0], want))
     # branches: the anchor and K drafts as the chain, two blocks a row seeing k_b of them
     chains = [[x[-1], *torch.randint(vocab, (kb - 1,), generator=gen).tolist()] for x in ids]
@@ -102,9 +103,10 @@ def sample_error(drafter: D3DDrafter, plan: PackedPlan, seed: int = 0) -> float:
     visible = torch.tensor([[len(x) + k for k in kk] for x, kk in zip(ids, ks, strict=True)])
     anchors = torch.randint(vocab, (2, 2), generator=gen)
     got = p.run(rows, chains, visible.to(dev), anchors.to(dev)).blocks  # [2, 2, K, V_d]
-    for i, x in enumerate(ids):
-        cache = _cache(drafter, x[:-1])
-        want = draft_branches(drafter, cache, visible[i].tolist(), anchors[i].tolist(), chains[i])
+    for i in range(len(ids)):
+        want = draft_branches(
+            drafter, caches[i], visible[i].tolist(), anchors[i].tolist(), chains[i]
+        )
         errors.append(check.relative_error(got[i], want))
     for row in rows:
         p.close(row)
